@@ -1,0 +1,1 @@
+"""The ShardedModel API: models, status, CRD generation."""

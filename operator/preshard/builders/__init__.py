@@ -1,0 +1,1 @@
+"""Pure manifest builders: typed input in, manifest dict out, no I/O."""

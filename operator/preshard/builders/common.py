@@ -1,0 +1,155 @@
+"""What every builder shares: the owner, the shard set, labels, names and the S3 environment.
+
+Builders are pure: typed input in, manifest dict out, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+from preshard.api import models
+from preshard.layout import S3Location, shard_set_location
+
+Manifest = dict[str, Any]
+
+MANAGED_BY: Final = "preshard"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+LABEL_SHARDEDMODEL: Final = "preshard.dev/shardedmodel"
+LABEL_ARTIFACT_KEY: Final = "preshard.dev/artifact-key"
+LABEL_COMMAND: Final = "preshard.dev/command"
+ANNOTATION_TP: Final = "preshard.dev/tensor-parallel-size"
+ANNOTATION_URI: Final = "preshard.dev/uri"
+
+# Where the data-plane containers find what they need.
+SCRATCH_DIR: Final = "/var/run/preshard/scratch"
+ENCRYPTION_DIR: Final = "/var/run/preshard/encryption"
+ENCRYPTION_FILE: Final = "key"
+ENCRYPTION_KEYFILE: Final = f"{ENCRYPTION_DIR}/{ENCRYPTION_FILE}"
+ENCRYPTION_VOLUME: Final = "preshard-encryption-key"
+
+# Job names are also label values (`job-name`), so they fit in 63 characters.
+NAME_LIMIT: Final = 63
+_OWNER_PART: Final = 30
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The ShardedModel a child object belongs to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> Manifest:
+        """The controller owner reference, so Kubernetes garbage-collects the child."""
+        return {
+            "apiVersion": f"{models.GROUP}/{models.VERSION}",
+            "kind": models.KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """One shard set: an artifact key, its TP size and where it lives."""
+
+    tensor_parallel_size: int
+    artifact_key: str
+    location: S3Location
+
+    @classmethod
+    def for_spec(
+        cls, spec: models.ShardedModelSpec, tensor_parallel_size: int, artifact_key: str
+    ) -> ShardSet:
+        """The set a spec makes for one TP size under its storage prefix."""
+        return cls(
+            tensor_parallel_size=tensor_parallel_size,
+            artifact_key=artifact_key,
+            location=shard_set_location(spec.storage.uri, artifact_key),
+        )
+
+    @property
+    def uri(self) -> str:
+        """The set's prefix as an `s3://` URI ending in `/`."""
+        return self.location.uri
+
+
+def child_name(owner: Owner, shard_set: ShardSet, kind: str, run: int) -> str:
+    """A deterministic, readable name for a Job of one shard set."""
+    head = owner.name[:_OWNER_PART].rstrip("-.")
+    name = f"{head}-{shard_set.artifact_key[:8]}-{kind}-{run}"
+    if len(name) > NAME_LIMIT:
+        raise ValueError(f"child name {name!r} is longer than {NAME_LIMIT} characters")
+    return name
+
+
+def labels(owner: Owner, shard_set: ShardSet, component: str) -> dict[str, str]:
+    """Labels on every Job and pod preshard creates."""
+    return {
+        LABEL_NAME: "preshard",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_COMPONENT: component,
+        LABEL_SHARDEDMODEL: owner.name[:63].rstrip("-."),
+        LABEL_ARTIFACT_KEY: shard_set.artifact_key,
+        LABEL_COMMAND: component,
+    }
+
+
+def s3_env(storage: models.Storage) -> list[Manifest]:
+    """Container env for S3: credentials by Secret reference (never by value), and the region."""
+    env: list[Manifest] = []
+    credentials = storage.credentials_secret_ref
+    if credentials is not None:
+        env.append(
+            _secret_env("AWS_ACCESS_KEY_ID", credentials.name, credentials.access_key_id_key)
+        )
+        env.append(
+            _secret_env(
+                "AWS_SECRET_ACCESS_KEY", credentials.name, credentials.secret_access_key_key
+            )
+        )
+        if credentials.session_token_key:
+            env.append(
+                _secret_env("AWS_SESSION_TOKEN", credentials.name, credentials.session_token_key)
+            )
+    if storage.region:
+        env.append({"name": "AWS_REGION", "value": storage.region})
+        env.append({"name": "AWS_DEFAULT_REGION", "value": storage.region})
+    return env
+
+
+def s3_args(storage: models.Storage) -> list[str]:
+    """Data-plane flags for the store's endpoint and region (not secret)."""
+    args: list[str] = []
+    if storage.endpoint:
+        args += ["--endpoint", storage.endpoint]
+    if storage.region:
+        args += ["--region", storage.region]
+    return args
+
+
+def encryption_volume(encryption: models.Encryption) -> Manifest:
+    """The Secret volume that holds only the encryption key, as a read-only file."""
+    return {
+        "name": ENCRYPTION_VOLUME,
+        "secret": {
+            "secretName": encryption.secret_ref.name,
+            "items": [{"key": encryption.secret_ref.key, "path": ENCRYPTION_FILE}],
+            "defaultMode": 0o400,
+        },
+    }
+
+
+def encryption_mount() -> Manifest:
+    """Where containers see the encryption key file."""
+    return {"name": ENCRYPTION_VOLUME, "mountPath": ENCRYPTION_DIR, "readOnly": True}
+
+
+def _secret_env(name: str, secret: str, key: str) -> Manifest:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}

@@ -1,0 +1,297 @@
+"""The Jobs the controller runs: serialize (GPU), verify and delete (CPU).
+
+Each Job runs one `preshard <subcommand>` with the user's Secrets by reference, reports through
+its termination message, and is owned by its ShardedModel.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Final
+
+from preshard.api import models
+from preshard.builders.common import (
+    ANNOTATION_TP,
+    ANNOTATION_URI,
+    ENCRYPTION_KEYFILE,
+    SCRATCH_DIR,
+    Manifest,
+    Owner,
+    ShardSet,
+    child_name,
+    encryption_mount,
+    encryption_volume,
+    labels,
+    s3_args,
+    s3_env,
+)
+from preshard.identity import normalise_engine_args
+from preshard.outcome import PERMANENT_EXIT_CODES
+from preshard.settings import Settings
+
+SERIALIZE: Final = "serialize"
+VERIFY: Final = "verify"
+DELETE: Final = "delete"
+
+CONTAINER: Final = "preshard"
+SCRATCH_VOLUME: Final = "scratch"
+SHM_VOLUME: Final = "dshm"
+
+# Small CPU Jobs: listing and sizing a prefix needs little; a deep verify streams through.
+TOOLS_RESOURCES: Final[Manifest] = {
+    "requests": {"cpu": "100m", "memory": "128Mi"},
+    "limits": {"memory": "512Mi"},
+}
+VERIFY_DEADLINE_SECONDS: Final = 3600
+DELETE_BACKOFF_LIMIT: Final = 3
+# Kubernetes removes finished Jobs a day later; the controller has recorded their outcome.
+TTL_AFTER_FINISHED_SECONDS: Final = 24 * 3600
+
+_INTEGER: Final = re.compile(r"^-?[0-9]+$")
+_DECIMAL: Final = re.compile(r"^-?[0-9]+\.[0-9]+$")
+
+
+@dataclass(frozen=True)
+class JobInput:
+    """What every Job builder needs."""
+
+    owner: Owner
+    spec: models.ShardedModelSpec
+    shard_set: ShardSet
+    settings: Settings
+    run: int
+
+
+def coerce_engine_arg(value: str) -> str | int | float | bool:
+    """A CRD string value as the JSON scalar vLLM expects (`true` → True, `8` → 8, `0.9`)."""
+    text = value.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if _INTEGER.match(text):
+        return int(text)
+    if _DECIMAL.match(text):
+        return float(text)
+    return value
+
+
+def build_serialize_job(job: JobInput) -> Manifest:
+    """The GPU Job that writes one shard set: TP GPUs, a sized scratch volume, /dev/shm."""
+    spec, settings, shard_set = job.spec, job.settings, job.shard_set
+    serialization = spec.serialization
+    gpu = serialization.gpu_resource_name or settings.gpu_resource_name
+    args = [
+        SERIALIZE,
+        "--model",
+        spec.model.name,
+        *(["--revision", spec.model.revision] if spec.model.revision else []),
+        "--tensor-parallel-size",
+        str(shard_set.tensor_parallel_size),
+        "--dtype",
+        serialization.dtype,
+        *(
+            ["--max-model-len", str(serialization.max_model_len)]
+            if serialization.max_model_len
+            else []
+        ),
+        *(_engine_args_flag(serialization.extra_engine_args)),
+        "--dest",
+        shard_set.uri,
+        "--artifact-key",
+        shard_set.artifact_key,
+        "--scratch-dir",
+        SCRATCH_DIR,
+        *(["--encryption-keyfile", ENCRYPTION_KEYFILE] if spec.encryption else []),
+        *s3_args(spec.storage),
+    ]
+    env = s3_env(spec.storage)
+    if spec.model.token_secret_ref is not None:
+        ref = spec.model.token_secret_ref
+        env.append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        )
+    # Caches and temporary files go to the sized scratch volume, not the container's layer.
+    env += [
+        {"name": "HF_HOME", "value": f"{SCRATCH_DIR}/hf"},
+        {"name": "TMPDIR", "value": f"{SCRATCH_DIR}/tmp"},  # noqa: S108 - on the scratch volume
+    ]
+    requests: dict[str, str] = {gpu: str(shard_set.tensor_parallel_size)}
+    limits: dict[str, str] = {gpu: str(shard_set.tensor_parallel_size)}
+    if serialization.cpu:
+        requests["cpu"] = serialization.cpu
+    if serialization.memory:
+        requests["memory"] = serialization.memory
+        limits["memory"] = serialization.memory
+    scratch_size = serialization.scratch_size or settings.scratch_size
+    mounts: list[Manifest] = [
+        {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR},
+        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},  # noqa: S108 - the pod's shm mount
+    ]
+    volumes: list[Manifest] = [
+        {"name": SCRATCH_VOLUME, "emptyDir": {"sizeLimit": scratch_size}},
+        # NCCL between the TP workers needs more shared memory than the default 64 MiB.
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+    ]
+    if spec.encryption is not None:
+        mounts.append(encryption_mount())
+        volumes.append(encryption_volume(spec.encryption))
+    container: Manifest = {
+        "name": CONTAINER,
+        "image": serialization.image or settings.serializer_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["preshard"],
+        "args": args,
+        "env": env,
+        "resources": {"requests": requests, "limits": limits},
+        "volumeMounts": mounts,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: Manifest = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    _placement(pod_spec, serialization.node_selector, serialization.tolerations)
+    if serialization.service_account_name:
+        pod_spec["serviceAccountName"] = serialization.service_account_name
+    return _job(
+        job,
+        SERIALIZE,
+        pod_spec,
+        backoff_limit=serialization.backoff_limit,
+        deadline=serialization.active_deadline_seconds,
+        failure_policy={
+            "rules": [
+                # Bad input (denied access, no such model, too little scratch) fails at once.
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {
+                        "containerName": CONTAINER,
+                        "operator": "In",
+                        "values": list(PERMANENT_EXIT_CODES),
+                    },
+                },
+                # An evicted or preempted pod is not the model's fault: it does not count.
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            ]
+        },
+    )
+
+
+def build_verify_job(job: JobInput) -> Manifest:
+    """The CPU Job that checks a shard set against its manifest."""
+    spec = job.spec
+    args = [
+        VERIFY,
+        job.shard_set.uri,
+        "--tensor-parallel-size",
+        str(job.shard_set.tensor_parallel_size),
+        "--artifact-key",
+        job.shard_set.artifact_key,
+        *(["--deep"] if spec.verification.deep else []),
+        *s3_args(spec.storage),
+    ]
+    return _tools_job(job, VERIFY, args, backoff_limit=0, deadline=VERIFY_DEADLINE_SECONDS)
+
+
+def build_delete_job(job: JobInput) -> Manifest:
+    """The CPU Job that removes one shard set (manifest first)."""
+    args = [DELETE, job.shard_set.uri, *s3_args(job.spec.storage)]
+    return _tools_job(
+        job, DELETE, args, backoff_limit=DELETE_BACKOFF_LIMIT, deadline=VERIFY_DEADLINE_SECONDS
+    )
+
+
+def job_name(job: JobInput, kind: str) -> str:
+    """The deterministic name of a Job of this kind and run."""
+    return child_name(job.owner, job.shard_set, kind, job.run)
+
+
+def _tools_job(
+    job: JobInput, kind: str, args: list[str], *, backoff_limit: int, deadline: int
+) -> Manifest:
+    spec, settings = job.spec, job.settings
+    container: Manifest = {
+        "name": CONTAINER,
+        "image": settings.tools_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["preshard"],
+        "args": args,
+        "env": s3_env(spec.storage),
+        "resources": TOOLS_RESOURCES,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: Manifest = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "containers": [container],
+    }
+    _placement(pod_spec, spec.verification.node_selector, spec.verification.tolerations)
+    if spec.serialization.service_account_name:
+        pod_spec["serviceAccountName"] = spec.serialization.service_account_name
+    return _job(job, kind, pod_spec, backoff_limit=backoff_limit, deadline=deadline)
+
+
+def _job(
+    job: JobInput,
+    kind: str,
+    pod_spec: Manifest,
+    *,
+    backoff_limit: int,
+    deadline: int,
+    failure_policy: Manifest | None = None,
+) -> Manifest:
+    job_labels = labels(job.owner, job.shard_set, kind)
+    annotations = {
+        ANNOTATION_TP: str(job.shard_set.tensor_parallel_size),
+        ANNOTATION_URI: job.shard_set.uri,
+    }
+    spec: Manifest = {
+        "backoffLimit": backoff_limit,
+        "activeDeadlineSeconds": deadline,
+        "ttlSecondsAfterFinished": TTL_AFTER_FINISHED_SECONDS,
+        "template": {
+            "metadata": {"labels": dict(job_labels), "annotations": dict(annotations)},
+            "spec": pod_spec,
+        },
+    }
+    if failure_policy is not None:
+        spec["podFailurePolicy"] = failure_policy
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_name(job, kind),
+            "namespace": job.owner.namespace,
+            "labels": job_labels,
+            "annotations": annotations,
+            "ownerReferences": [job.owner.reference()],
+        },
+        "spec": spec,
+    }
+
+
+def _placement(
+    pod_spec: Manifest, node_selector: dict[str, str], tolerations: list[models.Toleration]
+) -> None:
+    if node_selector:
+        pod_spec["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        pod_spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in tolerations
+        ]
+
+
+def _engine_args_flag(extra: dict[str, str]) -> list[str]:
+    if not extra:
+        return []
+    typed = {name: coerce_engine_arg(value) for name, value in normalise_engine_args(extra).items()}
+    return ["--engine-args-json", json.dumps(typed, sort_keys=True, separators=(",", ":"))]

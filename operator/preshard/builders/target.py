@@ -1,0 +1,402 @@
+"""Point a user's vLLM Deployment at a verified shard set, and put it back.
+
+preshard does not own these Deployments. It changes only what loading the shards needs: the
+vLLM container's command line (model directory, TP size, load format, flat tensorizer JSON),
+its GPU limit, the S3 environment (credentials by Secret reference), an init container that
+fetches the config and tokenizer files into an `emptyDir`, and the encryption key mount. The
+original values are saved in an annotation so deletion restores them. `replicas` is never
+touched.
+
+Whether a Deployment needs a write is decided on the fields preshard manages only
+(`managed_view`): server-side defaults on the rest never cause a patch loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+from preshard import reasons
+from preshard.api import models
+from preshard.builders.common import (
+    ENCRYPTION_KEYFILE,
+    ENCRYPTION_VOLUME,
+    Manifest,
+    Owner,
+    ShardSet,
+    encryption_mount,
+    encryption_volume,
+    s3_args,
+    s3_env,
+)
+from preshard.builders.vllm_args import (
+    TensorizerLoad,
+    UnsupportedCommandError,
+    is_vllm_command,
+    rewrite_vllm_command,
+)
+from preshard.layout import tensorizer_uri
+from preshard.settings import Settings
+
+ANNOTATION_OWNER: Final = "preshard.dev/owner"
+ANNOTATION_ORIGINAL: Final = "preshard.dev/original"
+ANNOTATION_INPUT_HASH: Final = "preshard.dev/input-hash"
+ANNOTATION_ARTIFACT_KEY: Final = "preshard.dev/artifact-key"
+# The set loaded before the last switch: old pods still read it until the rollout completes.
+ANNOTATION_PREVIOUS_KEY: Final = "preshard.dev/previous-artifact-key"
+ANNOTATION_TP: Final = "preshard.dev/tensor-parallel-size"
+ANNOTATION_IMAGE: Final = "preshard.dev/container-image"
+OWNED_ANNOTATIONS: Final = (
+    ANNOTATION_OWNER,
+    ANNOTATION_ORIGINAL,
+    ANNOTATION_INPUT_HASH,
+    ANNOTATION_ARTIFACT_KEY,
+    ANNOTATION_PREVIOUS_KEY,
+    ANNOTATION_TP,
+    ANNOTATION_IMAGE,
+)
+
+INIT_CONTAINER: Final = "preshard-fetch-config"
+MODEL_VOLUME: Final = "preshard-model"
+OWNED_VOLUMES: Final = (MODEL_VOLUME, ENCRYPTION_VOLUME)
+# Env vars preshard sets on the vLLM container (replacing any the user had).
+MANAGED_ENV: Final = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL_S3",
+)
+INIT_RESOURCES: Final[Manifest] = {
+    "requests": {"cpu": "100m", "memory": "128Mi"},
+    "limits": {"memory": "256Mi"},
+}
+
+
+@dataclass(frozen=True)
+class TargetInput:
+    """What patching one Deployment needs."""
+
+    owner: Owner
+    spec: models.ShardedModelSpec
+    shard_set: ShardSet
+    settings: Settings
+    container: str | None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a Deployment cannot be patched safely; nothing is written."""
+
+    reason: str
+    message: str
+
+
+def annotations_of(deployment: Manifest) -> dict[str, str]:
+    """The Deployment's annotations (empty when it has none)."""
+    annotations: dict[str, str] = (deployment.get("metadata") or {}).get("annotations") or {}
+    return annotations
+
+
+def owner_of(deployment: Manifest) -> str | None:
+    """The ShardedModel that patched this Deployment, if any."""
+    owner: str | None = annotations_of(deployment).get(ANNOTATION_OWNER)
+    return owner
+
+
+def applied_artifact_key(deployment: Manifest) -> str | None:
+    """The shard set this Deployment was last pointed at by preshard."""
+    key: str | None = annotations_of(deployment).get(ANNOTATION_ARTIFACT_KEY)
+    return key
+
+
+def choose_container(pod_spec: Manifest, wanted: str | None) -> Manifest | Refusal:
+    """The vLLM container: the named one, the only one, or the only one that runs vLLM."""
+    containers: list[Manifest] = pod_spec.get("containers") or []
+    if wanted is not None:
+        for container in containers:
+            if container.get("name") == wanted:
+                return container
+        names = ", ".join(str(c.get("name")) for c in containers) or "none"
+        return Refusal(
+            reasons.CONTAINER_NOT_FOUND,
+            f"container {wanted!r} not found (containers: {names})",
+        )
+    if len(containers) == 1:
+        return containers[0]
+    running_vllm = [c for c in containers if is_vllm_command(c.get("command"), c.get("args"))]
+    if len(running_vllm) == 1:
+        return running_vllm[0]
+    return Refusal(
+        reasons.CONTAINER_NOT_FOUND,
+        f"{len(containers)} containers and {len(running_vllm)} of them run vLLM: "
+        "name the vLLM container in the target's `container` field",
+    )
+
+
+def tensorizer_load(target: TargetInput) -> TensorizerLoad:
+    """What the vLLM container must load for this shard set."""
+    spec, settings = target.spec, target.settings
+    endpoint = spec.storage.endpoint
+    return TensorizerLoad(
+        model_dir=settings.model_dir,
+        tensor_parallel_size=target.shard_set.tensor_parallel_size,
+        tensorizer_uri=tensorizer_uri(target.shard_set.location),
+        num_readers=spec.loading.num_readers or settings.num_readers,
+        s3_endpoint=endpoint if endpoint and endpoint.startswith("https://") else None,
+        encryption_keyfile=ENCRYPTION_KEYFILE if spec.encryption else None,
+        verify_hash=spec.loading.verify_hash,
+    )
+
+
+def build_patched_deployment(deployment: Manifest, target: TargetInput) -> Manifest | Refusal:
+    """The Deployment as it must be to load the shard set, or why it cannot be."""
+    current_owner = owner_of(deployment)
+    if current_owner is not None and current_owner != target.owner.name:
+        return Refusal(
+            reasons.TARGET_CONFLICT,
+            f"Deployment {_name(deployment)} is already managed by ShardedModel {current_owner}",
+        )
+    desired = copy.deepcopy(deployment)
+    pod_spec: Manifest = (
+        desired.setdefault("spec", {}).setdefault("template", {}).setdefault("spec", {})
+    )
+    chosen = choose_container(pod_spec, target.container)
+    if isinstance(chosen, Refusal):
+        return chosen
+    annotations = annotations_of(deployment)
+    original = (
+        json.loads(annotations[ANNOTATION_ORIGINAL])
+        if ANNOTATION_ORIGINAL in annotations
+        else snapshot_original(pod_spec, chosen)
+    )
+    load = tensorizer_load(target)
+    try:
+        rewritten = rewrite_vllm_command(chosen.get("command"), chosen.get("args"), load)
+    except UnsupportedCommandError as error:
+        return Refusal(error.reason, f"container {chosen.get('name')}: {error.message}")
+    _set_or_drop(chosen, "command", rewritten.command)
+    _set_or_drop(chosen, "args", rewritten.args)
+    _apply_container(chosen, target)
+    _apply_pod(pod_spec, target)
+
+    desired_annotations = desired.setdefault("metadata", {}).setdefault("annotations", {})
+    applied = annotations.get(ANNOTATION_ARTIFACT_KEY)
+    if applied is not None and applied != target.shard_set.artifact_key:
+        desired_annotations[ANNOTATION_PREVIOUS_KEY] = applied
+    desired_annotations.update(
+        {
+            ANNOTATION_OWNER: target.owner.name,
+            ANNOTATION_ORIGINAL: _compact(original),
+            ANNOTATION_ARTIFACT_KEY: target.shard_set.artifact_key,
+            ANNOTATION_TP: str(target.shard_set.tensor_parallel_size),
+            ANNOTATION_IMAGE: str(chosen.get("image", "")),
+            ANNOTATION_INPUT_HASH: input_hash(original, target, load),
+        }
+    )
+    return desired
+
+
+def build_restored_deployment(deployment: Manifest) -> Manifest | None:
+    """The Deployment as it was before preshard patched it; None when it was never patched."""
+    annotations = annotations_of(deployment)
+    if ANNOTATION_ORIGINAL not in annotations:
+        return None
+    original = json.loads(annotations[ANNOTATION_ORIGINAL])
+    restored = copy.deepcopy(deployment)
+    pod_spec: Manifest = restored["spec"]["template"]["spec"]
+    for container in pod_spec.get("containers") or []:
+        if container.get("name") == original["container"]:
+            for field in ("command", "args", "env", "resources", "volumeMounts"):
+                _set_or_drop(container, field, original.get(field))
+    init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != INIT_CONTAINER]
+    _set_or_drop(pod_spec, "initContainers", init or None)
+    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in OWNED_VOLUMES]
+    _set_or_drop(pod_spec, "volumes", volumes or None)
+    restored_annotations = restored["metadata"]["annotations"]
+    for key in OWNED_ANNOTATIONS:
+        restored_annotations.pop(key, None)
+    return restored
+
+
+def snapshot_original(pod_spec: Manifest, container: Manifest) -> Manifest:
+    """What restoring needs: the vLLM container's fields that patching changes."""
+    snapshot: Manifest = {"container": container.get("name")}
+    for field in ("command", "args", "env", "resources", "volumeMounts"):
+        if field in container:
+            snapshot[field] = copy.deepcopy(container[field])
+    return snapshot
+
+
+def input_hash(original: Manifest, target: TargetInput, load: TensorizerLoad) -> str:
+    """A hash of everything the patch is computed from, recorded on the Deployment."""
+    inputs = {
+        "original": original,
+        "load": load.__dict__,
+        "uri": target.shard_set.uri,
+        "storage": target.spec.storage.model_dump(by_alias=True, exclude_none=True),
+        "encryption": target.spec.encryption.model_dump(by_alias=True)
+        if target.spec.encryption
+        else None,
+        "toolsImage": target.settings.tools_image,
+        "gpu": target.spec.serialization.gpu_resource_name or target.settings.gpu_resource_name,
+    }
+    return hashlib.sha256(_compact(inputs).encode()).hexdigest()[:16]
+
+
+def managed_view(deployment: Manifest, container_name: str | None) -> Manifest:
+    """Only the fields preshard manages: two Deployments equal here need no write."""
+    annotations = annotations_of(deployment)
+    pod_spec: Manifest = deployment.get("spec", {}).get("template", {}).get("spec", {})
+    containers = {c.get("name"): c for c in pod_spec.get("containers") or []}
+    container = containers.get(container_name, {})
+    init = next(
+        (c for c in pod_spec.get("initContainers") or [] if c.get("name") == INIT_CONTAINER), None
+    )
+    return {
+        "annotations": {k: annotations.get(k) for k in OWNED_ANNOTATIONS if k != ANNOTATION_IMAGE},
+        "command": container.get("command"),
+        "args": container.get("args"),
+        "env": [e for e in container.get("env") or [] if e.get("name") in MANAGED_ENV],
+        "limits": (container.get("resources") or {}).get("limits"),
+        "requests": (container.get("resources") or {}).get("requests"),
+        "mounts": [
+            m for m in container.get("volumeMounts") or [] if m.get("name") in OWNED_VOLUMES
+        ],
+        "init": None
+        if init is None
+        else {k: init.get(k) for k in ("image", "command", "args", "env", "volumeMounts")},
+        "volumes": [v for v in pod_spec.get("volumes") or [] if v.get("name") in OWNED_VOLUMES],
+    }
+
+
+def merge_patch(current: Any, desired: Any) -> Any:
+    """An RFC 7386 JSON merge patch turning `current` into `desired` (lists replaced whole)."""
+    if not isinstance(current, dict) or not isinstance(desired, dict):
+        return desired
+    patch: Manifest = {}
+    for key in current.keys() - desired.keys():
+        patch[key] = None
+    for key, value in desired.items():
+        if key not in current:
+            patch[key] = value
+        elif current[key] != value:
+            patch[key] = merge_patch(current[key], value)
+    return patch
+
+
+def deployment_patch(current: Manifest, desired: Manifest) -> Manifest:
+    """The merge patch of the pod template and annotations, guarded by resourceVersion.
+
+    The resourceVersion makes the API server refuse the write (409) if the Deployment changed
+    since it was read, so a concurrent edit is never overwritten blindly.
+    """
+    patch: Manifest = {
+        "metadata": {
+            "resourceVersion": current["metadata"]["resourceVersion"],
+            "annotations": merge_patch(
+                annotations_of(current), desired.get("metadata", {}).get("annotations") or {}
+            ),
+        },
+        "spec": {"template": merge_patch(current["spec"]["template"], desired["spec"]["template"])},
+    }
+    return patch
+
+
+def rollout_complete(deployment: Manifest) -> bool:
+    """Whether every replica runs the current pod template (old pods are gone)."""
+    status: Manifest = deployment.get("status") or {}
+    replicas = int((deployment.get("spec") or {}).get("replicas", 1))
+    observed = int(status.get("observedGeneration", 0)) >= int(
+        deployment.get("metadata", {}).get("generation", 0)
+    )
+    return (
+        observed
+        and int(status.get("updatedReplicas", 0)) == replicas
+        and int(status.get("replicas", replicas)) == replicas
+    )
+
+
+def rollout(deployment: Manifest) -> str:
+    """Rollout progress as a person reads it."""
+    status: Manifest = deployment.get("status") or {}
+    desired = int((deployment.get("spec") or {}).get("replicas", 1))
+    updated = int(status.get("updatedReplicas", 0))
+    available = int(status.get("availableReplicas", 0))
+    observed = int(status.get("observedGeneration", 0)) >= int(
+        deployment.get("metadata", {}).get("generation", 0)
+    )
+    text = f"{updated}/{desired} updated, {available} available"
+    return text if observed else f"{text} (rollout pending)"
+
+
+def _apply_container(container: Manifest, target: TargetInput) -> None:
+    spec = target.spec
+    gpu = spec.serialization.gpu_resource_name or target.settings.gpu_resource_name
+    tp = str(target.shard_set.tensor_parallel_size)
+    resources: Manifest = container.setdefault("resources", {})
+    resources.setdefault("limits", {})[gpu] = tp
+    if gpu in (resources.get("requests") or {}):
+        resources["requests"][gpu] = tp
+    env = [e for e in container.get("env") or [] if e.get("name") not in MANAGED_ENV]
+    env += s3_env(spec.storage)
+    # tensorizer refuses a plain-http endpoint passed as an argument; boto3 reads this one.
+    if spec.storage.endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL_S3", "value": spec.storage.endpoint})
+    container["env"] = env
+    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in OWNED_VOLUMES]
+    mounts.append({"name": MODEL_VOLUME, "mountPath": target.settings.model_dir, "readOnly": True})
+    if spec.encryption is not None:
+        mounts.append(encryption_mount())
+    container["volumeMounts"] = mounts
+
+
+def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
+    spec, settings = target.spec, target.settings
+    init_container: Manifest = {
+        "name": INIT_CONTAINER,
+        "image": settings.tools_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["preshard"],
+        "args": [
+            "fetch-config",
+            target.shard_set.uri,
+            settings.model_dir,
+            *s3_args(spec.storage),
+        ],
+        "env": s3_env(spec.storage),
+        "resources": INIT_RESOURCES,
+        "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": settings.model_dir}],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != INIT_CONTAINER]
+    pod_spec["initContainers"] = [*init, init_container]
+    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in OWNED_VOLUMES]
+    volumes.append({"name": MODEL_VOLUME, "emptyDir": {}})
+    if spec.encryption is not None:
+        volumes.append(encryption_volume(spec.encryption))
+    pod_spec["volumes"] = volumes
+
+
+def _name(deployment: Manifest) -> str:
+    return str((deployment.get("metadata") or {}).get("name", "?"))
+
+
+def _set_or_drop(obj: Manifest, key: str, value: Any) -> None:
+    if value is None:
+        obj.pop(key, None)
+    else:
+        obj[key] = value
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,1 @@
+"""The kopf controller: handlers, planning, and the Kubernetes client."""

@@ -1,0 +1,184 @@
+"""`preshard run` (the operator) and `preshard render` (an offline preview of its output)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from preshard import reasons
+from preshard.api import models
+from preshard.builders import jobs, target
+from preshard.builders.common import Manifest, Owner, ShardSet
+from preshard.identity import artifact_key
+from preshard.settings import Settings, SettingsError
+
+Subparsers = argparse._SubParsersAction
+
+
+def register(subcommands: Subparsers[argparse.ArgumentParser]) -> None:
+    """Add `run` and `render` to the top-level parser."""
+    run = subcommands.add_parser(
+        "run",
+        help="run the operator against the current kube context",
+        description=(
+            "Run the ShardedModel controller. Settings come from PRESHARD_* environment "
+            "variables (see the Helm chart's values.yaml); credentials from the kubeconfig "
+            "or the in-cluster ServiceAccount."
+        ),
+    )
+    run.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; default: PRESHARD_NAMESPACES or all)",
+    )
+    run.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="liveness endpoint URL kopf serves (default: %(default)s; empty to disable)",
+    )
+    run.add_argument("--verbose", action="store_true", help="log every step kopf takes")
+    run.set_defaults(run=_run)
+
+    render = subcommands.add_parser(
+        "render",
+        help="print the Jobs and patched Deployments a ShardedModel produces, without a cluster",
+        description=(
+            "Read a ShardedModel and Deployments from YAML files and print, as YAML, the Jobs "
+            "the controller creates and each target Deployment as it will be patched once its "
+            "shard set is verified. A target that would be refused is named on stderr with its "
+            "reason, and the exit code is 1. Settings come from PRESHARD_* variables."
+        ),
+    )
+    render.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        required=True,
+        type=Path,
+        help="a YAML file with a ShardedModel and/or Deployments (repeatable; - for stdin)",
+    )
+    render.add_argument(
+        "-n", "--namespace", default="default", help="namespace of objects that name none"
+    )
+    render.set_defaults(run=_render)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf  # noqa: PLC0415 - kopf is only needed by the operator itself
+
+    from preshard.controller import handlers  # noqa: PLC0415, F401 - registers the handlers
+
+    try:
+        settings = Settings.from_env()
+    except SettingsError as error:
+        sys.stderr.write(f"preshard run: {error}\n")
+        return 2
+    kopf.configure(
+        verbose=args.verbose,
+        log_format=kopf.LogFormat.JSON if settings.log_format == "json" else kopf.LogFormat.PLAIN,
+    )
+    if not args.verbose:
+        # kopf logs every handled watch event at INFO; keep the operator's own log readable.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    namespaces = tuple(args.namespace) or settings.namespaces
+    asyncio.run(
+        kopf.operator(
+            standalone=True,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=args.liveness or None,
+            memo=kopf.Memo(settings=settings),
+        )
+    )
+    return 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    try:
+        settings = Settings.from_env()
+        documents = [doc for path in args.filename for doc in _load(path)]
+    except (SettingsError, OSError, yaml.YAMLError) as error:
+        sys.stderr.write(f"preshard render: {error}\n")
+        return 2
+    sharded = [d for d in documents if d.get("kind") == models.KIND]
+    deployments = [d for d in documents if d.get("kind") == "Deployment"]
+    if not sharded:
+        sys.stderr.write("preshard render: no ShardedModel in the input\n")
+        return 2
+    output: list[Manifest] = []
+    refused = False
+    for resource in sharded:
+        metadata = resource.get("metadata") or {}
+        namespace = metadata.get("namespace") or args.namespace
+        name = str(metadata.get("name", "shardedmodel"))
+        try:
+            spec = models.parse_spec(resource.get("spec"))
+        except models.InvalidSpecError as error:
+            sys.stderr.write(f"ShardedModel {name}: {reasons.INVALID_SPEC}: {error}\n")
+            refused = True
+            continue
+        owner = Owner(name=name, namespace=namespace, uid=str(metadata.get("uid", "")))
+        image = spec.serialization.image or settings.serializer_image
+        sets = {
+            tp: ShardSet.for_spec(
+                spec, tp, artifact_key(spec, tp, namespace=namespace, serializer_image=image)
+            )
+            for tp in spec.tensor_parallel_sizes
+        }
+        for shard_set in sets.values():
+            job = jobs.JobInput(
+                owner=owner, spec=spec, shard_set=shard_set, settings=settings, run=1
+            )
+            output += [jobs.build_verify_job(job), jobs.build_serialize_job(job)]
+        in_namespace = [
+            d
+            for d in deployments
+            if (d.get("metadata") or {}).get("namespace", namespace) == namespace
+        ]
+        for spec_target, deployment in _matches(spec, in_namespace):
+            patched = target.build_patched_deployment(
+                deployment,
+                target.TargetInput(
+                    owner=owner,
+                    spec=spec,
+                    shard_set=sets[spec.target_tp(spec_target)],
+                    settings=settings,
+                    container=spec_target.container,
+                ),
+            )
+            deployment_name = (deployment.get("metadata") or {}).get("name")
+            if isinstance(patched, target.Refusal):
+                sys.stderr.write(
+                    f"Deployment {deployment_name}: {patched.reason}: {patched.message}\n"
+                )
+                refused = True
+            else:
+                output.append(patched)
+    sys.stdout.write(yaml.safe_dump_all(output, sort_keys=False, width=100))
+    return 1 if refused else 0
+
+
+def _matches(
+    spec: models.ShardedModelSpec, deployments: list[Manifest]
+) -> Iterator[tuple[models.Target, Manifest]]:
+    for spec_target in spec.targets:
+        for deployment in deployments:
+            metadata = deployment.get("metadata") or {}
+            if (spec_target.name is not None and metadata.get("name") == spec_target.name) or (
+                spec_target.selector is not None
+                and spec_target.selector.matches(metadata.get("labels") or {})
+            ):
+                yield spec_target, deployment
+
+
+def _load(path: Path) -> list[dict[str, Any]]:
+    text = sys.stdin.read() if str(path) == "-" else path.read_text()
+    return [doc for doc in yaml.safe_load_all(text) if isinstance(doc, dict)]

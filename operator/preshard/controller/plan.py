@@ -1,0 +1,780 @@
+"""The reconcile decision: from the spec and what is observed, the next actions.
+
+A pure function. It reads the parsed spec, the previous status, the ShardedModel's Jobs and the
+namespace's Deployments, and returns the Jobs to create or delete, the Deployment patches, the
+new status and the events. Running it twice on the same observation returns the same plan, and
+a plan for a converged resource is empty.
+
+Per shard set (one per wanted TP size) the lifecycle is:
+probe (verify Job: already there?) → serialize (GPU Job) → verify → Verified, re-verified every
+`verification.intervalSeconds`. Targets are pointed at a set only once it is Verified; while a
+new set is built they keep serving the one they have (an ordered transition), and a set no
+longer wanted is released, or deleted with retention `Delete`, once no target uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Final, Literal
+
+from preshard import conditions, reasons
+from preshard.api import models
+from preshard.api.status import (
+    Condition,
+    ShardedModelStatus,
+    ShardSetStatus,
+    Stage,
+    TargetStatus,
+)
+from preshard.builders import jobs, target
+from preshard.builders.common import Manifest, Owner, ShardSet
+from preshard.controller.observe import JobView
+from preshard.identity import artifact_key
+from preshard.outcome import Outcome
+from preshard.settings import Settings
+
+ANNOTATION_RETRY: Final = "preshard.dev/retry"
+
+# Failures worth trying again later on their own: the store or the network may come back.
+TRANSIENT: Final = frozenset(
+    {
+        reasons.UNREACHABLE,
+        reasons.ACCESS_DENIED,
+        reasons.BUCKET_NOT_FOUND,
+        reasons.INTERNAL_ERROR,
+        reasons.JOB_FAILED,
+        reasons.DEADLINE_EXCEEDED,
+        reasons.EVICTED,
+    }
+)
+MESSAGE_LIMIT: Final = 1024
+
+EventType = Literal["Normal", "Warning"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes event to post on the ShardedModel."""
+
+    type: EventType
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class DeploymentPatch:
+    """A merge patch for one Deployment."""
+
+    name: str
+    patch: Manifest
+    restore: bool = False
+
+
+@dataclass
+class Plan:
+    """What the controller does next."""
+
+    status: ShardedModelStatus
+    create_jobs: list[Manifest] = field(default_factory=list)
+    delete_jobs: list[str] = field(default_factory=list)
+    patches: list[DeploymentPatch] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+
+    def wake_at(self, when: datetime, now: datetime) -> None:
+        """Ask to be reconciled again no later than `when`."""
+        delay = max(1.0, (when - now).total_seconds())
+        self.requeue_after = delay if self.requeue_after is None else min(self.requeue_after, delay)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything the planner reads besides the spec and status."""
+
+    jobs: Mapping[str, JobView]
+    deployments: Mapping[str, Manifest]
+    now: datetime
+    keys_used_elsewhere: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Resource:
+    """The ShardedModel being reconciled."""
+
+    owner: Owner
+    generation: int
+    annotations: Mapping[str, str]
+    spec: models.ShardedModelSpec
+    status: ShardedModelStatus
+
+
+def timestamp(moment: datetime) -> str:
+    """RFC 3339 in UTC, second precision, as Kubernetes writes times."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    """The inverse of `timestamp`; None for None."""
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC) if text else None
+
+
+def plan(resource: Resource, observed: Observed, settings: Settings) -> Plan:
+    """The next actions for one ShardedModel."""
+    planner = _Planner(resource, observed, settings)
+    return planner.run()
+
+
+def plan_invalid(
+    status: ShardedModelStatus, generation: int, message: str, now: datetime
+) -> ShardedModelStatus:
+    """The status of a ShardedModel whose spec does not parse: nothing else happens."""
+    stamp = timestamp(now)
+    result = status.conditions
+    for type_ in (conditions.READY, conditions.SERIALIZED, conditions.VERIFIED):
+        result = conditions.set_condition(
+            result, type_, "False", reasons.INVALID_SPEC, message, now=stamp, generation=generation
+        )
+    return status.model_copy(update={"conditions": result, "observed_generation": generation})
+
+
+class _Planner:
+    def __init__(self, resource: Resource, observed: Observed, settings: Settings) -> None:
+        self.resource = resource
+        self.spec = resource.spec
+        self.observed = observed
+        self.settings = settings
+        self.now = observed.now
+        self.stamp = timestamp(observed.now)
+        self.plan = Plan(status=resource.status)
+        self.image = self.spec.serialization.image or settings.serializer_image
+        self.previous = {e.artifact_key: e for e in resource.status.shard_sets}
+        # Sets a Deployment loads now, or its old pods load until its rollout completes.
+        self.in_use: set[str] = set()
+
+    # The whole pass --------------------------------------------------------------------------
+
+    def run(self) -> Plan:
+        desired = {
+            tp: ShardSet.for_spec(self.spec, tp, self._key(tp))
+            for tp in self.spec.tensor_parallel_sizes
+        }
+        entries = [self._advance(shard_set) for shard_set in desired.values()]
+        wanted_keys = {s.artifact_key for s in desired.values()}
+        by_key = {e.artifact_key: e for e in entries}
+        targets = self._targets(desired, {**self.previous, **by_key})
+        for key, entry in self.previous.items():
+            if key not in wanted_keys:
+                kept = self._retire(entry, self.in_use)
+                if kept is not None:
+                    entries.append(kept)
+        status = ShardedModelStatus(
+            observed_generation=self.resource.generation,
+            conditions=self._conditions(
+                [by_key[s.artifact_key] for s in desired.values()], targets
+            ),
+            shard_sets=entries,
+            targets=targets,
+        )
+        self._announce(status)
+        self.plan.status = status
+        return self.plan
+
+    def _key(self, tp: int) -> str:
+        owner = self.resource.owner
+        return artifact_key(self.spec, tp, namespace=owner.namespace, serializer_image=self.image)
+
+    # One shard set ---------------------------------------------------------------------------
+
+    def _advance(self, shard_set: ShardSet) -> ShardSetStatus:
+        entry = self.previous.get(shard_set.artifact_key)
+        if shard_set.tensor_parallel_size > self.settings.max_gpus_per_job:
+            return self._entry(
+                shard_set,
+                stage="Failed",
+                reason=reasons.TP_EXCEEDS_GPUS,
+                message=(
+                    f"tensor-parallel size {shard_set.tensor_parallel_size} needs more GPUs than "
+                    f"one serialization Job may request ({self.settings.max_gpus_per_job})"
+                ),
+            )
+        if entry is None:
+            entry = self._entry(shard_set, stage="Probing", reason=reasons.PROBING)
+            return self._start(entry, shard_set, jobs.VERIFY)
+        token = self.resource.annotations.get(ANNOTATION_RETRY)
+        if entry.stage == "Failed" and token is not None and token != entry.retry_token:
+            entry = entry.model_copy(update={"retry_token": token, "failures": 0})
+            return self._start(entry, shard_set, jobs.SERIALIZE)
+        if entry.stage in ("Superseded", "Deleting"):
+            # Wanted again before it was deleted: check it is still whole.
+            return self._start(
+                entry.model_copy(update={"stage": "Probing"}), shard_set, jobs.VERIFY
+            )
+        if entry.job is not None:
+            return self._follow(entry, shard_set)
+        due = parse_time(entry.next_check)
+        if entry.stage in ("Probing", "Verifying", "Verified") and due is not None:
+            if self.now >= due:
+                return self._start(entry, shard_set, jobs.VERIFY)
+            self.plan.wake_at(due, self.now)
+        return entry
+
+    def _follow(self, entry: ShardSetStatus, shard_set: ShardSet) -> ShardSetStatus:
+        assert entry.job is not None  # noqa: S101 - the caller checked
+        job = self.observed.jobs.get(entry.job)
+        kind = _kind_of(entry.job)
+        if job is None:
+            # Not in the index yet (just created) or deleted under us: creating is idempotent.
+            self.plan.create_jobs.append(self._build(kind, shard_set, _run_of(entry.job)))
+            return entry
+        if not job.finished:
+            problem = job.problem
+            if problem is not None:
+                return entry.model_copy(update={"reason": problem[0], "message": problem[1]})
+            waiting_reason = {
+                jobs.SERIALIZE: reasons.SERIALIZING,
+                jobs.DELETE: reasons.DELETED,
+            }.get(kind, reasons.VERIFYING if entry.stage != "Probing" else reasons.PROBING)
+            return entry.model_copy(
+                update={"reason": waiting_reason, "message": f"Job {job.name} is running"}
+            )
+        outcome = job.outcome()
+        if kind == jobs.SERIALIZE:
+            return self._serialized(entry, shard_set, outcome)
+        if kind == jobs.DELETE:
+            return self._deleted(entry, shard_set, outcome)
+        return self._verified(entry, shard_set, outcome)
+
+    def _verified(
+        self, entry: ShardSetStatus, shard_set: ShardSet, outcome: Outcome
+    ) -> ShardSetStatus:
+        if outcome.ok:
+            if outcome.tensor_parallel_size not in (None, shard_set.tensor_parallel_size):
+                return self._fail(
+                    entry,
+                    reasons.TP_MISMATCH,
+                    f"the set at {shard_set.uri} holds TP {outcome.tensor_parallel_size}, "
+                    f"not {shard_set.tensor_parallel_size}",
+                )
+            interval = self.spec.verification.interval_seconds
+            return entry.model_copy(
+                update={
+                    "stage": "Verified",
+                    "reason": reasons.ALREADY_SERIALIZED
+                    if entry.stage == "Probing"
+                    else reasons.VERIFIED,
+                    "message": outcome.message or f"complete at {shard_set.uri}",
+                    "job": None,
+                    "failures": 0,
+                    "verified_at": self.stamp,
+                    "next_check": timestamp(self.now + timedelta(seconds=interval))
+                    if interval
+                    else None,
+                    "total_bytes": outcome.total_bytes,
+                    "files": outcome.files,
+                    "vllm_version": outcome.vllm_version or entry.vllm_version,
+                    "tensorizer_version": outcome.tensorizer_version or entry.tensorizer_version,
+                }
+            )
+        if entry.stage == "Probing" and outcome.reason == reasons.MANIFEST_MISSING:
+            return self._start(entry.model_copy(update={"failures": 0}), shard_set, jobs.SERIALIZE)
+        if outcome.reason in TRANSIENT:
+            return self._back_off(entry, outcome)
+        return self._fail(entry, outcome.reason, outcome.message)
+
+    def _serialized(
+        self, entry: ShardSetStatus, shard_set: ShardSet, outcome: Outcome
+    ) -> ShardSetStatus:
+        if outcome.ok:
+            entry = entry.model_copy(
+                update={
+                    "vllm_version": outcome.vllm_version,
+                    "tensorizer_version": outcome.tensorizer_version,
+                    "total_bytes": outcome.total_bytes,
+                    "files": outcome.files,
+                }
+            )
+            return self._start(entry, shard_set, jobs.VERIFY)
+        return self._fail(entry, outcome.reason, outcome.message)
+
+    def _deleted(
+        self, entry: ShardSetStatus, shard_set: ShardSet, outcome: Outcome
+    ) -> ShardSetStatus:
+        if outcome.ok:
+            return entry.model_copy(
+                update={"stage": "Deleting", "reason": reasons.DELETED, "job": None}
+            )
+        return self._back_off(entry.model_copy(update={"reason": reasons.CLEANUP_FAILED}), outcome)
+
+    def _start(self, entry: ShardSetStatus, shard_set: ShardSet, kind: str) -> ShardSetStatus:
+        counter = {jobs.VERIFY: "verify_run", jobs.SERIALIZE: "serialize_run"}.get(
+            kind, "delete_run"
+        )
+        run = int(getattr(entry, counter)) + 1
+        manifest = self._build(kind, shard_set, run)
+        self.plan.create_jobs.append(manifest)
+        stage: Stage = entry.stage
+        if kind == jobs.SERIALIZE:
+            stage = "Serializing"
+        elif kind == jobs.DELETE:
+            stage = "Deleting"
+        elif entry.stage in ("Serializing", "Failed"):
+            stage = "Verifying"
+        reason = {
+            "Probing": reasons.PROBING,
+            "Serializing": reasons.SERIALIZING,
+            "Verifying": reasons.VERIFYING,
+            "Deleting": reasons.SUPERSEDED,
+        }.get(stage, entry.reason)
+        return entry.model_copy(
+            update={
+                counter: run,
+                "job": manifest["metadata"]["name"],
+                "stage": stage,
+                "reason": reason,
+                "message": f"Job {manifest['metadata']['name']} created",
+                "next_check": None,
+            }
+        )
+
+    def _back_off(self, entry: ShardSetStatus, outcome: Outcome) -> ShardSetStatus:
+        failures = entry.failures + 1
+        delay = min(
+            self.settings.retry_backoff_seconds * 2 ** (failures - 1),
+            self.settings.retry_backoff_max_seconds,
+        )
+        due = self.now + timedelta(seconds=delay)
+        self.plan.wake_at(due, self.now)
+        return entry.model_copy(
+            update={
+                "job": None,
+                "failures": failures,
+                "reason": outcome.reason,
+                "message": _clip(f"{outcome.message} (attempt {failures}; next in {delay}s)"),
+                "next_check": timestamp(due),
+            }
+        )
+
+    def _fail(self, entry: ShardSetStatus, reason: str, message: str) -> ShardSetStatus:
+        return entry.model_copy(
+            update={
+                "stage": "Failed",
+                "reason": reason,
+                "message": _clip(message),
+                "job": None,
+                "next_check": None,
+            }
+        )
+
+    def _entry(
+        self, shard_set: ShardSet, *, stage: Stage, reason: str, message: str = ""
+    ) -> ShardSetStatus:
+        previous = self.previous.get(shard_set.artifact_key)
+        base = previous or ShardSetStatus(
+            tensor_parallel_size=shard_set.tensor_parallel_size,
+            artifact_key=shard_set.artifact_key,
+            uri=shard_set.uri,
+            stage=stage,
+        )
+        return base.model_copy(update={"stage": stage, "reason": reason, "message": message})
+
+    def _build(self, kind: str, shard_set: ShardSet, run: int) -> Manifest:
+        job_input = jobs.JobInput(
+            owner=self.resource.owner,
+            spec=self.spec,
+            shard_set=shard_set,
+            settings=self.settings,
+            run=run,
+        )
+        builder = {
+            jobs.SERIALIZE: jobs.build_serialize_job,
+            jobs.DELETE: jobs.build_delete_job,
+        }.get(kind, jobs.build_verify_job)
+        return builder(job_input)
+
+    # Sets no longer wanted ---------------------------------------------------------------------
+
+    def _retire(self, entry: ShardSetStatus, in_use: set[str]) -> ShardSetStatus | None:
+        shard_set = ShardSet(
+            tensor_parallel_size=entry.tensor_parallel_size,
+            artifact_key=entry.artifact_key,
+            location=ShardSet.for_spec(self.spec, 1, entry.artifact_key).location,
+        )
+        if entry.artifact_key in in_use:
+            if entry.job is not None:
+                self.plan.delete_jobs.append(entry.job)
+            return entry.model_copy(
+                update={
+                    "stage": "Superseded" if entry.stage == "Verified" else entry.stage,
+                    "reason": reasons.SUPERSEDED,
+                    "message": "no longer wanted; kept while a target still loads it",
+                    "job": None,
+                    "next_check": None,
+                }
+            )
+        if entry.job is not None and _kind_of(entry.job) != jobs.DELETE:
+            self.plan.delete_jobs.append(entry.job)
+            entry = entry.model_copy(update={"job": None})
+        deletable = (
+            self.spec.storage.retention == "Delete"
+            and entry.artifact_key not in self.observed.keys_used_elsewhere
+            and entry.stage not in ("Probing", "Failed")
+        )
+        if not deletable:
+            self.plan.events.append(
+                Event("Normal", reasons.RELEASED, f"shard set {entry.uri} is no longer used")
+            )
+            return None
+        if entry.stage == "Deleting" and entry.job is None and entry.reason == reasons.DELETED:
+            self.plan.events.append(
+                Event("Normal", reasons.DELETED, f"shard set {entry.uri} deleted")
+            )
+            return None
+        if entry.job is not None:
+            return self._follow(entry, shard_set)
+        due = parse_time(entry.next_check)
+        if due is not None and self.now < due:
+            self.plan.wake_at(due, self.now)
+            return entry
+        return self._start(entry, shard_set, jobs.DELETE)
+
+    # Targets ---------------------------------------------------------------------------------
+
+    def _targets(
+        self, desired: dict[int, ShardSet], entries: dict[str, ShardSetStatus]
+    ) -> list[TargetStatus]:
+        statuses: list[TargetStatus] = []
+        matched: set[str] = set()
+        for spec_target in self.spec.targets:
+            tp = self.spec.target_tp(spec_target)
+            names = self._resolve(spec_target)
+            if not names:
+                statuses.append(
+                    TargetStatus(
+                        name=spec_target.name or "(selector)",
+                        tensor_parallel_size=tp,
+                        state="NotFound",
+                        reason=reasons.TARGET_NOT_FOUND,
+                        message=f"{spec_target.label} not found in namespace "
+                        f"{self.resource.owner.namespace}; waiting for it",
+                    )
+                )
+            for name in names:
+                if name in matched:
+                    continue
+                matched.add(name)
+                statuses.append(self._target(name, spec_target, desired[tp], entries))
+        for name, deployment in sorted(self.observed.deployments.items()):
+            if name not in matched and target.owner_of(deployment) == self.resource.owner.name:
+                self._note_in_use(deployment)
+                self._restore(name, deployment)
+        return statuses
+
+    def _resolve(self, spec_target: models.Target) -> list[str]:
+        if spec_target.name is not None:
+            return [spec_target.name] if spec_target.name in self.observed.deployments else []
+        assert spec_target.selector is not None  # noqa: S101 - the model guarantees one of both
+        return sorted(
+            name
+            for name, deployment in self.observed.deployments.items()
+            if spec_target.selector.matches((deployment.get("metadata") or {}).get("labels") or {})
+        )
+
+    def _target(
+        self,
+        name: str,
+        spec_target: models.Target,
+        wanted: ShardSet,
+        entries: dict[str, ShardSetStatus],
+    ) -> TargetStatus:
+        deployment = self.observed.deployments[name]
+        tp = wanted.tensor_parallel_size
+        base = TargetStatus(name=name, tensor_parallel_size=tp, state="Waiting")
+        owner = target.owner_of(deployment)
+        if owner == self.resource.owner.name:
+            self._note_in_use(deployment)
+        if owner is not None and owner != self.resource.owner.name:
+            return base.model_copy(
+                update={
+                    "state": "Conflict",
+                    "reason": reasons.TARGET_CONFLICT,
+                    "message": f"Deployment {name} is already managed by ShardedModel {owner}",
+                }
+            )
+        applied = target.applied_artifact_key(deployment) if owner else None
+        wanted_entry = entries.get(wanted.artifact_key)
+        serving = _serving_set(wanted, wanted_entry, applied, entries, self.spec)
+        if serving is None:
+            entry_reason = wanted_entry.reason if wanted_entry else reasons.WAITING_FOR_SHARDS
+            failed = wanted_entry is not None and wanted_entry.stage == "Failed"
+            return base.model_copy(
+                update={
+                    "artifact_key": applied,
+                    "reason": entry_reason if failed else reasons.WAITING_FOR_SHARDS,
+                    "message": f"waiting for the TP {tp} shard set {wanted.artifact_key}"
+                    + (
+                        f" ({wanted_entry.reason}: {wanted_entry.message})"
+                        if failed and wanted_entry
+                        else ""
+                    ),
+                    "rollout": target.rollout(deployment) if applied else None,
+                }
+            )
+        target_input = target.TargetInput(
+            owner=self.resource.owner,
+            spec=self.spec,
+            shard_set=serving,
+            settings=self.settings,
+            container=spec_target.container,
+        )
+        desired = target.build_patched_deployment(deployment, target_input)
+        if isinstance(desired, target.Refusal):
+            return base.model_copy(
+                update={
+                    "artifact_key": applied,
+                    "state": "Refused",
+                    "reason": desired.reason,
+                    "message": desired.message,
+                }
+            )
+        container = target.choose_container(
+            desired["spec"]["template"]["spec"], spec_target.container
+        )
+        container_name = container.get("name") if isinstance(container, dict) else None
+        if target.managed_view(desired, container_name) != target.managed_view(
+            deployment, container_name
+        ):
+            self.plan.patches.append(
+                DeploymentPatch(name=name, patch=target.deployment_patch(deployment, desired))
+            )
+            rollout = "patch applied; rollout pending"
+        else:
+            rollout = target.rollout(deployment)
+        switched = serving.artifact_key == wanted.artifact_key
+        image_note = _image_note(deployment, container_name)
+        return base.model_copy(
+            update={
+                "container": container_name,
+                "artifact_key": serving.artifact_key,
+                "tensor_parallel_size": serving.tensor_parallel_size,
+                "state": "Patched" if switched else "Waiting",
+                "reason": (reasons.TARGET_IMAGE_CHANGED if image_note else reasons.PATCHED)
+                if switched
+                else reasons.WAITING_FOR_SHARDS,
+                "message": image_note
+                or (
+                    f"loads {serving.uri}"
+                    if switched
+                    else f"serves {serving.uri} until TP {tp} set {wanted.artifact_key} is verified"
+                ),
+                "rollout": rollout,
+            }
+        )
+
+    def _note_in_use(self, deployment: Manifest) -> None:
+        annotations = target.annotations_of(deployment)
+        applied = annotations.get(target.ANNOTATION_ARTIFACT_KEY)
+        if applied:
+            self.in_use.add(applied)
+        previous = annotations.get(target.ANNOTATION_PREVIOUS_KEY)
+        if previous and not target.rollout_complete(deployment):
+            self.in_use.add(previous)
+
+    def _restore(self, name: str, deployment: Manifest) -> None:
+        restored = target.build_restored_deployment(deployment)
+        if restored is None:
+            return
+        self.plan.patches.append(
+            DeploymentPatch(
+                name=name, patch=target.deployment_patch(deployment, restored), restore=True
+            )
+        )
+
+    # Conditions and events -------------------------------------------------------------------
+
+    def _conditions(
+        self, wanted: list[ShardSetStatus], targets: list[TargetStatus]
+    ) -> list[Condition]:
+        generation = self.resource.generation
+        result = list(self.resource.status.conditions)
+
+        def put(type_: str, ok: bool, reason: str, message: str) -> None:
+            nonlocal result
+            result = conditions.set_condition(
+                result,
+                type_,
+                "True" if ok else "False",
+                reason,
+                _clip(message),
+                now=self.stamp,
+                generation=generation,
+            )
+
+        failed = [e for e in wanted if e.stage == "Failed"]
+        not_serialized = [e for e in wanted if e.stage not in ("Verifying", "Verified")]
+        not_verified = [e for e in wanted if e.stage != "Verified"]
+        serialized_reason = (
+            reasons.ALREADY_SERIALIZED
+            if all(e.serialize_run == 0 for e in wanted)
+            else reasons.SERIALIZED
+        )
+        put(
+            conditions.SERIALIZED,
+            not not_serialized,
+            _first_reason(not_serialized, serialized_reason),
+            _describe_sets(not_serialized) or "every shard set is written",
+        )
+        put(
+            conditions.VERIFIED,
+            not not_verified,
+            _first_reason(not_verified, reasons.VERIFIED),
+            _describe_sets(not_verified) or "every shard set verified complete",
+        )
+        unpatched = [t for t in targets if t.state != "Patched"]
+        if not self.spec.targets:
+            put(conditions.TARGETS_PATCHED, True, reasons.NO_TARGETS, "no targets to patch")
+        else:
+            put(
+                conditions.TARGETS_PATCHED,
+                not unpatched,
+                unpatched[0].reason if unpatched else reasons.PATCHED,
+                "; ".join(f"{t.name}: {t.message}" for t in unpatched)
+                or f"{len(targets)} Deployment(s) load their shard sets",
+            )
+        problems = [t for t in unpatched if t.state in ("Refused", "Conflict", "NotFound")]
+        ready = not not_verified and not unpatched
+        if ready:
+            ready_reason, ready_message = reasons.READY, "shards verified and targets patched"
+        elif failed:
+            ready_reason, ready_message = failed[0].reason, _describe_sets(failed)
+        elif problems:
+            ready_reason = problems[0].reason
+            ready_message = "; ".join(f"{t.name}: {t.message}" for t in problems)
+        elif not_verified:
+            ready_reason, ready_message = (
+                _first_reason(not_verified, ""),
+                _describe_sets(not_verified),
+            )
+        else:
+            ready_reason = unpatched[0].reason
+            ready_message = "; ".join(f"{t.name}: {t.message}" for t in unpatched)
+        put(conditions.READY, ready, ready_reason, ready_message)
+        troubled = [e for e in wanted if e.failures > 0 or (e.stage == "Failed" and e.verified_at)]
+        put(
+            conditions.DEGRADED,
+            bool(troubled),
+            troubled[0].reason if troubled else reasons.AS_EXPECTED,
+            _describe_sets(troubled) or "no faults",
+        )
+        return result
+
+    def _announce(self, status: ShardedModelStatus) -> None:
+        before = {e.artifact_key: e for e in self.resource.status.shard_sets}
+        for entry in status.shard_sets:
+            old = before.get(entry.artifact_key)
+            if old is not None and (old.stage, old.reason, old.job) == (
+                entry.stage,
+                entry.reason,
+                entry.job,
+            ):
+                continue
+            failed = entry.stage == "Failed" or entry.failures > 0
+            text = f"TP {entry.tensor_parallel_size} shard set {entry.artifact_key}: {entry.stage}"
+            detail = entry.message
+            self.plan.events.append(
+                Event(
+                    "Warning" if failed else "Normal",
+                    entry.reason or entry.stage,
+                    _clip(f"{text}: {detail}" if detail else text),
+                )
+            )
+        old_targets = {t.name: t for t in self.resource.status.targets}
+        for state in status.targets:
+            old_target = old_targets.get(state.name)
+            if old_target is not None and (
+                old_target.state,
+                old_target.reason,
+                old_target.artifact_key,
+            ) == (
+                state.state,
+                state.reason,
+                state.artifact_key,
+            ):
+                continue
+            bad = state.state in ("Refused", "Conflict", "NotFound") or state.reason == (
+                reasons.TARGET_IMAGE_CHANGED
+            )
+            self.plan.events.append(
+                Event(
+                    "Warning" if bad else "Normal",
+                    state.reason or state.state,
+                    _clip(f"Deployment {state.name}: {state.message}"),
+                )
+            )
+        for patch in self.plan.patches:
+            verb = "restored" if patch.restore else "patched"
+            self.plan.events.append(
+                Event(
+                    "Normal",
+                    reasons.RESTORED if patch.restore else reasons.PATCHING,
+                    f"Deployment {patch.name} {verb}",
+                )
+            )
+
+
+def _serving_set(
+    wanted: ShardSet,
+    wanted_entry: ShardSetStatus | None,
+    applied: str | None,
+    entries: Mapping[str, ShardSetStatus],
+    spec: models.ShardedModelSpec,
+) -> ShardSet | None:
+    """The set a target should load now: the wanted one once verified, else the one it has."""
+    if wanted_entry is not None and wanted_entry.stage == "Verified":
+        return wanted
+    if applied is None or applied == wanted.artifact_key:
+        return None
+    current = entries.get(applied)
+    if current is None or current.stage not in ("Verified", "Superseded"):
+        return None
+    return ShardSet.for_spec(spec, current.tensor_parallel_size, current.artifact_key)
+
+
+def _image_note(deployment: Manifest, container_name: str | None) -> str | None:
+    recorded = target.annotations_of(deployment).get(target.ANNOTATION_IMAGE)
+    containers = deployment.get("spec", {}).get("template", {}).get("spec", {}).get("containers")
+    current = next(
+        (c.get("image") for c in containers or [] if c.get("name") == container_name), None
+    )
+    if recorded and current and recorded != current:
+        return (
+            f"container image changed from {recorded} to {current} after the shards were "
+            "pointed at; check that it runs the vLLM version the shards were made with"
+        )
+    return None
+
+
+def _kind_of(job_name: str) -> str:
+    return job_name.rsplit("-", 2)[-2]
+
+
+def _run_of(job_name: str) -> int:
+    return int(job_name.rsplit("-", 1)[-1])
+
+
+def _first_reason(entries: list[ShardSetStatus], default: str) -> str:
+    return entries[0].reason or entries[0].stage if entries else default
+
+
+def _describe_sets(entries: list[ShardSetStatus]) -> str:
+    return "; ".join(
+        f"TP {e.tensor_parallel_size} ({e.artifact_key}): {e.stage}"
+        + (f", {e.reason}" if e.reason else "")
+        + (f": {e.message}" if e.message else "")
+        for e in entries
+    )
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 3] + "..."

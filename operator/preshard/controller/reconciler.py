@@ -1,0 +1,260 @@
+"""The service layer: parse a ShardedModel, plan, carry the plan out, record the status.
+
+Handlers call `Reconciler.reconcile` and `Reconciler.cleanup`; both are synchronous and run in
+kopf's thread pool. Every API call goes through `preshard.controller.kube`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final
+
+from preshard import reasons
+from preshard.api.models import InvalidSpecError, ShardedModelSpec, parse_spec
+from preshard.api.status import ShardedModelStatus
+from preshard.builders import jobs, target
+from preshard.builders.common import Manifest, Owner, ShardSet, child_name
+from preshard.controller import kube
+from preshard.controller.observe import JobView
+from preshard.controller.plan import (
+    Event,
+    Observed,
+    Plan,
+    Resource,
+    plan,
+    plan_invalid,
+)
+from preshard.settings import Settings
+
+ANNOTATION_SKIP_CLEANUP: Final = "preshard.dev/skip-cleanup"
+CONFLICT_RETRY_SECONDS: Final = 1.0
+
+log = logging.getLogger(__name__)
+
+
+class CleanupPendingError(Exception):
+    """Deletion waits for something (a delete Job, a Deployment write); try again soon."""
+
+
+@dataclass
+class Result:
+    """What one reconcile did, for the handler to report."""
+
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+
+
+@dataclass
+class _Written:
+    """The status this operator wrote last, until the watch stream shows it."""
+
+    before: Manifest
+    after: Manifest
+
+
+class Reconciler:
+    """Reconciles ShardedModels through one Kubernetes client."""
+
+    def __init__(self, client: kube.Kube, settings: Settings) -> None:
+        self.kube = client
+        self.settings = settings
+        self._written: dict[tuple[str, str], _Written] = {}
+
+    def reconcile(self, body: Manifest, observed: Observed) -> Result:
+        """One pass for one ShardedModel: decide, act, record."""
+        metadata = body.get("metadata") or {}
+        namespace, name = str(metadata["namespace"]), str(metadata["name"])
+        generation = int(metadata.get("generation") or 0)
+        raw_status = self._known_status(namespace, name, body.get("status") or {})
+        status = ShardedModelStatus.model_validate(raw_status)
+        try:
+            spec = parse_spec(body.get("spec"))
+        except InvalidSpecError as error:
+            new_status = plan_invalid(status, generation, str(error), observed.now)
+            changed = self._write_status(namespace, name, raw_status, new_status)
+            events = [Event("Warning", reasons.INVALID_SPEC, str(error))] if changed else []
+            return Result(events=events)
+        resource = Resource(
+            owner=Owner(name=name, namespace=namespace, uid=str(metadata.get("uid", ""))),
+            generation=generation,
+            annotations=metadata.get("annotations") or {},
+            spec=spec,
+            status=status,
+        )
+        decided = plan(resource, observed, self.settings)
+        requeue = self._execute(decided, namespace)
+        self._write_status(namespace, name, raw_status, decided.status)
+        if requeue is not None:
+            decided.requeue_after = min(requeue, decided.requeue_after or requeue)
+        return Result(events=decided.events, requeue_after=decided.requeue_after)
+
+    def cleanup(
+        self,
+        body: Manifest,
+        deployments: Mapping[str, Manifest],
+        job_views: Mapping[str, JobView],
+        keys_used_elsewhere: frozenset[str],
+    ) -> list[Event]:
+        """Undo what preshard did for a deleted ShardedModel; `CleanupPendingError` means wait."""
+        metadata = body.get("metadata") or {}
+        namespace, name = str(metadata["namespace"]), str(metadata["name"])
+        if (metadata.get("annotations") or {}).get(ANNOTATION_SKIP_CLEANUP) == "true":
+            return [
+                Event(
+                    "Warning",
+                    reasons.CLEANUP_FAILED,
+                    f"cleanup skipped ({ANNOTATION_SKIP_CLEANUP}=true): Deployments stay patched "
+                    "and shard sets stay in storage",
+                )
+            ]
+        events = self._restore_targets(namespace, name, deployments)
+        status = ShardedModelStatus.model_validate(body.get("status") or {})
+        for entry in status.shard_sets:
+            running = job_views.get(entry.job) if entry.job else None
+            if running is not None and not running.finished:
+                self.kube.delete_job(namespace, running.name)
+        self._written.pop((namespace, name), None)
+        try:
+            spec: ShardedModelSpec | None = parse_spec(body.get("spec"))
+        except InvalidSpecError:
+            spec = None
+        if spec is None or spec.storage.retention != "Delete":
+            return events
+        owner = Owner(name=name, namespace=namespace, uid=str(metadata.get("uid", "")))
+        waiting: list[str] = []
+        for entry in status.shard_sets:
+            if entry.artifact_key in keys_used_elsewhere:
+                continue
+            shard_set = ShardSet.for_spec(spec, entry.tensor_parallel_size, entry.artifact_key)
+            run = entry.delete_run + 1
+            job_name = child_name(owner, shard_set, jobs.DELETE, run)
+            view = job_views.get(job_name)
+            if view is None:
+                delete_job = jobs.build_delete_job(
+                    jobs.JobInput(
+                        owner=owner, spec=spec, shard_set=shard_set, settings=self.settings, run=run
+                    )
+                )
+                try:
+                    self.kube.create_job(delete_job)
+                except kube.NamespaceTerminatingError:
+                    events.append(
+                        Event(
+                            "Warning",
+                            reasons.CLEANUP_FAILED,
+                            "namespace is terminating: no Job can delete the shard sets; they "
+                            "stay in storage",
+                        )
+                    )
+                    return events
+                waiting.append(f"{job_name} created")
+            elif not view.finished:
+                waiting.append(f"{job_name} running")
+            elif not view.succeeded:
+                outcome = view.outcome()
+                raise CleanupPendingError(
+                    f"deleting {entry.uri} failed ({outcome.reason}: {outcome.message})"
+                )
+        if waiting:
+            raise CleanupPendingError("waiting for delete Jobs: " + ", ".join(waiting))
+        events.append(
+            Event("Normal", reasons.DELETED, f"{len(status.shard_sets)} shard set(s) deleted")
+        )
+        return events
+
+    def _restore_targets(
+        self, namespace: str, name: str, deployments: Mapping[str, Manifest]
+    ) -> list[Event]:
+        events: list[Event] = []
+        for deployment_name, deployment in sorted(deployments.items()):
+            if target.owner_of(deployment) != name:
+                continue
+            try:
+                current = self.kube.get_deployment(namespace, deployment_name)
+            except kube.NotFoundError:
+                continue
+            restored = target.build_restored_deployment(current)
+            if restored is None:
+                continue
+            try:
+                self.kube.patch_deployment(
+                    namespace, deployment_name, target.deployment_patch(current, restored)
+                )
+            except kube.ConflictError as error:
+                raise CleanupPendingError(str(error)) from None
+            except kube.NotFoundError:
+                continue
+            events.append(
+                Event("Normal", reasons.RESTORED, f"Deployment {deployment_name} restored")
+            )
+        return events
+
+    def _execute(self, decided: Plan, namespace: str) -> float | None:
+        requeue: float | None = None
+        for job_name in decided.delete_jobs:
+            self.kube.delete_job(namespace, job_name)
+        for manifest in decided.create_jobs:
+            if self.kube.create_job(manifest):
+                log.info("created Job %s/%s", namespace, manifest["metadata"]["name"])
+        for patch in decided.patches:
+            try:
+                self.kube.patch_deployment(namespace, patch.name, patch.patch)
+            except (kube.ConflictError, kube.NotFoundError) as error:
+                # The watch stream brings the new version; plan again from it.
+                log.info("%s", error)
+                requeue = CONFLICT_RETRY_SECONDS
+                decided.events = [e for e in decided.events if patch.name not in e.message]
+        return requeue
+
+    def _known_status(self, namespace: str, name: str, seen: Manifest) -> Manifest:
+        # A status written a moment ago may not be back through the watch stream yet; planning
+        # from the older one would only repeat work, so use what was written.
+        written = self._written.get((namespace, name))
+        if written is not None and seen == written.before:
+            return written.after
+        self._written.pop((namespace, name), None)
+        return seen
+
+    def _write_status(
+        self, namespace: str, name: str, before: Manifest, status: ShardedModelStatus
+    ) -> bool:
+        after = status.model_dump(by_alias=True, exclude_none=True)
+        if after == ShardedModelStatus.model_validate(before).model_dump(
+            by_alias=True, exclude_none=True
+        ):
+            return False
+        self.kube.patch_status(namespace, name, after)
+        self._written[(namespace, name)] = _Written(before=before, after=after)
+        return True
+
+
+def now_utc() -> datetime:
+    """The current time, timezone-aware."""
+    return datetime.now().astimezone()
+
+
+def observed_for(
+    jobs_by_name: Mapping[str, JobView],
+    deployments: Mapping[str, Manifest],
+    keys_used_elsewhere: frozenset[str],
+    now: datetime,
+) -> Observed:
+    """Bundle what the indexes hold for one ShardedModel."""
+    return Observed(
+        jobs=dict(jobs_by_name),
+        deployments=dict(deployments),
+        now=now,
+        keys_used_elsewhere=keys_used_elsewhere,
+    )
+
+
+def trim(obj: Mapping[str, Any]) -> Manifest:
+    """A copy without managedFields: the indexes keep what planning reads, not more."""
+    result = dict(obj)
+    metadata = dict(result.get("metadata") or {})
+    metadata.pop("managedFields", None)
+    result["metadata"] = metadata
+    return result

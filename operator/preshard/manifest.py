@@ -1,0 +1,68 @@
+"""The manifest: the commit marker of a shard set, written last.
+
+A shard set without a well-formed manifest is never complete. The manifest records what the
+set was made for (TP size, vLLM and tensorizer versions, dtype, encryption on/off, never the
+key) and each file's size and sha256, so `preshard verify` can check it without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from preshard.layout import rank_file_names
+
+FORMAT_VERSION: Final = 1
+
+
+class ManifestFile(BaseModel):
+    """One object of the shard set."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, pattern=r"^[^/]+(/[^/]+)*$")
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    kind: Literal["shard", "config"]
+
+
+class Manifest(BaseModel):
+    """The `manifest.json` of a shard set."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    format_version: Literal[1] = Field(default=1, alias="formatVersion")
+    artifact_key: str = Field(alias="artifactKey", min_length=1)
+    model: str = Field(min_length=1)
+    revision: str | None = None
+    tensor_parallel_size: int = Field(alias="tensorParallelSize", ge=1)
+    dtype: str
+    vllm_version: str = Field(alias="vllmVersion")
+    tensorizer_version: str = Field(alias="tensorizerVersion")
+    encrypted: bool
+    created: str
+    files: tuple[ManifestFile, ...]
+
+    @property
+    def shards(self) -> list[ManifestFile]:
+        """The rank files, in rank order."""
+        return sorted((f for f in self.files if f.kind == "shard"), key=lambda f: f.name)
+
+    @property
+    def config_files(self) -> list[ManifestFile]:
+        """The non-weight files vLLM reads from its model directory."""
+        return [f for f in self.files if f.kind == "config"]
+
+    @property
+    def total_bytes(self) -> int:
+        """The size of every file the manifest lists."""
+        return sum(f.size for f in self.files)
+
+    def expected_shard_names(self) -> list[str]:
+        """The rank file names a set of this TP size must hold."""
+        return rank_file_names(self.tensor_parallel_size)
+
+    def to_json(self) -> str:
+        """The manifest as stored: camelCase keys, stable order."""
+        return self.model_dump_json(by_alias=True, indent=2) + "\n"

@@ -1,0 +1,67 @@
+"""Every reason preshard reports, in one place.
+
+Reasons are CamelCase constants (Kubernetes API conventions). The data plane reports them in
+its termination message and exit code; the controller copies them into conditions and events,
+so a person sees the same word in `kubectl describe` as in the Job's pod.
+"""
+
+from typing import Final
+
+# Progress and success.
+READY: Final = "Ready"
+RECONCILING: Final = "Reconciling"
+PROBING: Final = "Probing"
+SERIALIZING: Final = "Serializing"
+SERIALIZED: Final = "Serialized"
+ALREADY_SERIALIZED: Final = "AlreadySerialized"
+VERIFYING: Final = "Verifying"
+VERIFIED: Final = "Verified"
+CONFIG_FETCHED: Final = "ConfigFetched"
+PATCHED: Final = "Patched"
+PATCHING: Final = "Patching"
+NO_TARGETS: Final = "NoTargets"
+WAITING_FOR_SHARDS: Final = "WaitingForShards"
+DELETED: Final = "Deleted"
+RESTORED: Final = "Restored"
+AS_EXPECTED: Final = "AsExpected"
+SUPERSEDED: Final = "Superseded"
+RELEASED: Final = "Released"
+
+# Bad input found by the controller.
+INVALID_SPEC: Final = "InvalidSpec"
+TP_EXCEEDS_GPUS: Final = "TPExceedsGPUs"
+TARGET_NOT_FOUND: Final = "TargetNotFound"
+CONTAINER_NOT_FOUND: Final = "ContainerNotFound"
+UNSUPPORTED_COMMAND: Final = "UnsupportedCommand"
+TARGET_CONFLICT: Final = "TargetConflict"
+TARGET_IMAGE_CHANGED: Final = "TargetImageChanged"
+
+# Failures reported by the data plane (termination message and exit code).
+MANIFEST_MISSING: Final = "ManifestMissing"
+MANIFEST_INVALID: Final = "ManifestInvalid"
+SHARD_MISSING: Final = "ShardMissing"
+SIZE_MISMATCH: Final = "SizeMismatch"
+HASH_MISMATCH: Final = "HashMismatch"
+TP_MISMATCH: Final = "TPMismatch"
+ACCESS_DENIED: Final = "AccessDenied"
+UNREACHABLE: Final = "Unreachable"
+BUCKET_NOT_FOUND: Final = "BucketNotFound"
+INSUFFICIENT_SCRATCH: Final = "InsufficientScratch"
+INVALID_ARGUMENTS: Final = "InvalidArguments"
+MODEL_NOT_FOUND: Final = "ModelNotFound"
+ENCRYPTION_KEY_INVALID: Final = "EncryptionKeyInvalid"
+SERIALIZATION_FAILED: Final = "SerializationFailed"
+INTERNAL_ERROR: Final = "InternalError"
+
+# Failures the controller sees on Jobs and pods.
+JOB_FAILED: Final = "JobFailed"
+DEADLINE_EXCEEDED: Final = "DeadlineExceeded"
+BACKOFF_LIMIT_EXCEEDED: Final = "BackoffLimitExceeded"
+OOM_KILLED: Final = "OOMKilled"
+EVICTED: Final = "Evicted"
+SECRET_NOT_FOUND: Final = "SecretNotFound"  # noqa: S105 - a reason, not a secret
+IMAGE_PULL_FAILED: Final = "ImagePullFailed"
+UNSCHEDULABLE: Final = "Unschedulable"
+
+# Deletion.
+CLEANUP_FAILED: Final = "CleanupFailed"

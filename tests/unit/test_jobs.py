@@ -1,0 +1,347 @@
+"""The Job builders, checked by exact equality against the manifests they must produce."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from preshard.api.models import parse_spec
+from preshard.builders.common import Owner, ShardSet, child_name
+from preshard.builders.jobs import (
+    JobInput,
+    build_delete_job,
+    build_serialize_job,
+    build_verify_job,
+    coerce_engine_arg,
+)
+from preshard.settings import Settings
+
+OWNER = Owner(name="llama", namespace="models", uid="1234")
+SETTINGS = Settings(serializer_image="serializer:1", tools_image="tools:1")
+KEY = "0123456789abcdef0123"
+
+SPEC: dict[str, Any] = {
+    "model": {
+        "id": "meta-llama/Llama-3.1-8B-Instruct",
+        "revision": "0e9e39f",
+        "tokenSecretRef": {"name": "hf"},
+    },
+    "storage": {
+        "uri": "s3://models/shards",
+        "endpoint": "https://s3.example.com",
+        "region": "eu-west-1",
+        "credentialsSecretRef": {"name": "s3-creds"},
+    },
+    "tensorParallelSizes": [2],
+    "serialization": {
+        "maxModelLen": 4096,
+        "extraEngineArgs": {"quantization": "fp8", "trust-remote-code": "true"},
+        "nodeSelector": {"gpu": "h100"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "memory": "200Gi",
+        "scratchSize": "500Gi",
+    },
+    "encryption": {"secretRef": {"name": "shard-key", "key": "key"}},
+}
+
+
+def job_input(spec: dict[str, Any] = SPEC, run: int = 1) -> JobInput:
+    parsed = parse_spec(spec)
+    return JobInput(
+        owner=OWNER,
+        spec=parsed,
+        shard_set=ShardSet.for_spec(parsed, 2, KEY),
+        settings=SETTINGS,
+        run=run,
+    )
+
+
+S3_ENV = [
+    {
+        "name": "AWS_ACCESS_KEY_ID",
+        "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID"}},
+    },
+    {
+        "name": "AWS_SECRET_ACCESS_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "AWS_SECRET_ACCESS_KEY"}},
+    },
+    {"name": "AWS_REGION", "value": "eu-west-1"},
+    {"name": "AWS_DEFAULT_REGION", "value": "eu-west-1"},
+]
+
+
+def metadata(name: str, command: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": "models",
+        "labels": {
+            "app.kubernetes.io/name": "preshard",
+            "app.kubernetes.io/managed-by": "preshard",
+            "app.kubernetes.io/component": command,
+            "preshard.dev/shardedmodel": "llama",
+            "preshard.dev/artifact-key": KEY,
+            "preshard.dev/command": command,
+        },
+        "annotations": {
+            "preshard.dev/tensor-parallel-size": "2",
+            "preshard.dev/uri": f"s3://models/shards/{KEY}/",
+        },
+        "ownerReferences": [
+            {
+                "apiVersion": "preshard.dev/v1alpha1",
+                "kind": "ShardedModel",
+                "name": "llama",
+                "uid": "1234",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+
+
+def test_serialize_job() -> None:
+    job = build_serialize_job(job_input())
+    meta = metadata("llama-01234567-serialize-1", "serialize")
+    assert job == {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": 2,
+            "activeDeadlineSeconds": 21600,
+            "ttlSecondsAfterFinished": 86400,
+            "template": {
+                "metadata": {"labels": meta["labels"], "annotations": meta["annotations"]},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "containers": [
+                        {
+                            "name": "preshard",
+                            "image": "serializer:1",
+                            "imagePullPolicy": "IfNotPresent",
+                            "command": ["preshard"],
+                            "args": [
+                                "serialize",
+                                "--model",
+                                "meta-llama/Llama-3.1-8B-Instruct",
+                                "--revision",
+                                "0e9e39f",
+                                "--tensor-parallel-size",
+                                "2",
+                                "--dtype",
+                                "auto",
+                                "--max-model-len",
+                                "4096",
+                                "--engine-args-json",
+                                '{"quantization":"fp8","trust_remote_code":true}',
+                                "--dest",
+                                f"s3://models/shards/{KEY}/",
+                                "--artifact-key",
+                                KEY,
+                                "--scratch-dir",
+                                "/var/run/preshard/scratch",
+                                "--encryption-keyfile",
+                                "/var/run/preshard/encryption/key",
+                                "--endpoint",
+                                "https://s3.example.com",
+                                "--region",
+                                "eu-west-1",
+                            ],
+                            "env": [
+                                *S3_ENV,
+                                {
+                                    "name": "HF_TOKEN",
+                                    "valueFrom": {
+                                        "secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}
+                                    },
+                                },
+                                {"name": "HF_HOME", "value": "/var/run/preshard/scratch/hf"},
+                                {"name": "TMPDIR", "value": "/var/run/preshard/scratch/tmp"},
+                            ],
+                            "resources": {
+                                "requests": {"nvidia.com/gpu": "2", "memory": "200Gi"},
+                                "limits": {"nvidia.com/gpu": "2", "memory": "200Gi"},
+                            },
+                            "volumeMounts": [
+                                {"name": "scratch", "mountPath": "/var/run/preshard/scratch"},
+                                {"name": "dshm", "mountPath": "/dev/shm"},
+                                {
+                                    "name": "preshard-encryption-key",
+                                    "mountPath": "/var/run/preshard/encryption",
+                                    "readOnly": True,
+                                },
+                            ],
+                            "terminationMessagePolicy": "FallbackToLogsOnError",
+                        }
+                    ],
+                    "volumes": [
+                        {"name": "scratch", "emptyDir": {"sizeLimit": "500Gi"}},
+                        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                        {
+                            "name": "preshard-encryption-key",
+                            "secret": {
+                                "secretName": "shard-key",
+                                "items": [{"key": "key", "path": "key"}],
+                                "defaultMode": 0o400,
+                            },
+                        },
+                    ],
+                    "nodeSelector": {"gpu": "h100"},
+                    "tolerations": [
+                        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+                    ],
+                },
+            },
+            "podFailurePolicy": {
+                "rules": [
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {
+                            "containerName": "preshard",
+                            "operator": "In",
+                            "values": [20, 22, 30, 31, 32, 33],
+                        },
+                    },
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+                ]
+            },
+        },
+    }
+
+
+def test_verify_job() -> None:
+    job = build_verify_job(job_input(run=3))
+    meta = metadata("llama-01234567-verify-3", "verify")
+    assert job == {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": 3600,
+            "ttlSecondsAfterFinished": 86400,
+            "template": {
+                "metadata": {"labels": meta["labels"], "annotations": meta["annotations"]},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "containers": [
+                        {
+                            "name": "preshard",
+                            "image": "tools:1",
+                            "imagePullPolicy": "IfNotPresent",
+                            "command": ["preshard"],
+                            "args": [
+                                "verify",
+                                f"s3://models/shards/{KEY}/",
+                                "--tensor-parallel-size",
+                                "2",
+                                "--artifact-key",
+                                KEY,
+                                "--endpoint",
+                                "https://s3.example.com",
+                                "--region",
+                                "eu-west-1",
+                            ],
+                            "env": S3_ENV,
+                            "resources": {
+                                "requests": {"cpu": "100m", "memory": "128Mi"},
+                                "limits": {"memory": "512Mi"},
+                            },
+                            "securityContext": {
+                                "runAsNonRoot": True,
+                                "allowPrivilegeEscalation": False,
+                                "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"]},
+                            },
+                            "terminationMessagePolicy": "FallbackToLogsOnError",
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def test_delete_job_runs_delete_on_the_set_only() -> None:
+    job = build_delete_job(job_input())
+    assert job["metadata"]["name"] == "llama-01234567-delete-1"
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"] == [
+        "delete",
+        f"s3://models/shards/{KEY}/",
+        "--endpoint",
+        "https://s3.example.com",
+        "--region",
+        "eu-west-1",
+    ]
+    assert job["spec"]["backoffLimit"] == 3
+
+
+def test_minimal_spec_uses_settings_defaults() -> None:
+    spec = {
+        "model": {"uri": "s3://models/src/llama"},
+        "storage": {"uri": "s3://models/shards"},
+        "tensorParallelSizes": [2],
+        "verification": {"deep": True, "nodeSelector": {"pool": "cpu"}},
+    }
+    serialize = build_serialize_job(job_input(spec))
+    pod = serialize["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == "serializer:1"
+    assert container["resources"] == {
+        "requests": {"nvidia.com/gpu": "2"},
+        "limits": {"nvidia.com/gpu": "2"},
+    }
+    assert "--encryption-keyfile" not in container["args"]
+    assert "--engine-args-json" not in container["args"]
+    assert pod["volumes"][0] == {"name": "scratch", "emptyDir": {"sizeLimit": "200Gi"}}
+    assert "nodeSelector" not in pod
+    verify = build_verify_job(job_input(spec))
+    assert "--deep" in verify["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert verify["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+    assert verify["spec"]["template"]["spec"]["containers"][0]["env"] == []
+
+
+def test_gpu_resource_name_from_spec() -> None:
+    spec = {**SPEC, "serialization": {"gpuResourceName": "amd.com/gpu"}}
+    container = build_serialize_job(job_input(spec))["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"amd.com/gpu": "2"}
+
+
+def test_secrets_are_referenced_never_inlined() -> None:
+    for build in (build_serialize_job, build_verify_job, build_delete_job):
+        job = build(job_input())
+        for container in job["spec"]["template"]["spec"]["containers"]:
+            for env in container["env"]:
+                if env["name"] in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"):
+                    assert "value" not in env
+                    assert "secretKeyRef" in env["valueFrom"]
+
+
+def test_child_names_fit_a_label_value() -> None:
+    long_owner = Owner(name="a" * 250, namespace="x", uid="u")
+    name = child_name(long_owner, job_input().shard_set, "serialize", 12)
+    assert len(name) <= 63
+    assert name == "a" * 30 + "-01234567-serialize-12"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("true", True),
+        ("False", False),
+        ("8", 8),
+        ("-3", -3),
+        ("0.9", 0.9),
+        ("fp8", "fp8"),
+        ("inf", "inf"),
+        ("1e5", "1e5"),
+        ("", ""),
+    ],
+)
+def test_engine_argument_values_are_typed_conservatively(value: str, expected: object) -> None:
+    assert coerce_engine_arg(value) == expected
+    assert type(coerce_engine_arg(value)) is type(expected)

@@ -1,0 +1,539 @@
+"""The reconcile decision, step by step through a shard set's lifecycle and its targets.
+
+Each test feeds `plan` an observation (Jobs with their pods' termination messages, Deployments)
+and checks the actions and the status it decides. `World` plays the cluster: it applies a plan
+(creates Jobs, applies Deployment patches, stores the status) so that a test can walk through
+several passes the way the controller does.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from preshard import conditions, reasons
+from preshard.api.models import parse_spec
+from preshard.api.status import ShardedModelStatus
+from preshard.builders.common import Owner
+from preshard.builders.target import ANNOTATION_OWNER, merge_patch
+from preshard.controller.observe import JobView, PodView
+from preshard.controller.plan import Observed, Plan, Resource, plan
+from preshard.outcome import Outcome, exit_code
+from preshard.settings import Settings
+
+NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
+SETTINGS = Settings(serializer_image="serializer:1", tools_image="tools:1", max_gpus_per_job=8)
+
+BASE_SPEC: dict[str, Any] = {
+    "model": {"id": "org/model", "revision": "abc123"},
+    "storage": {"uri": "s3://bucket/shards", "credentialsSecretRef": {"name": "s3"}},
+    "tensorParallelSizes": [2],
+    "targets": [{"name": "vllm"}],
+}
+
+
+def deployment(name: str = "vllm", args: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "resourceVersion": "1",
+            "generation": 1,
+            "labels": {"app": name},
+        },
+        "spec": {
+            "replicas": 2,
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "vllm",
+                            "image": "vllm/vllm-openai:v0.34.0",
+                            "command": ["vllm", "serve"],
+                            "args": args or ["org/model", "--tensor-parallel-size", "1"],
+                            "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                        }
+                    ]
+                },
+            },
+        },
+        "status": {"observedGeneration": 1, "updatedReplicas": 2, "availableReplicas": 2},
+    }
+
+
+class World:
+    """A tiny stand-in for the API server: just enough state to run passes of `plan`."""
+
+    def __init__(self, spec: dict[str, Any] = BASE_SPEC, **deployments: dict[str, Any]) -> None:
+        self.spec = copy.deepcopy(spec)
+        self.annotations: dict[str, str] = {}
+        self.status = ShardedModelStatus()
+        self.jobs: dict[str, JobView] = {}
+        self.deployments = deployments or {"vllm": deployment()}
+        self.now = NOW
+        self.generation = 1
+        self.last: Plan | None = None
+
+    def step(self, **overrides: Any) -> Plan:
+        observed = Observed(
+            jobs=dict(self.jobs),
+            deployments=copy.deepcopy(self.deployments),
+            now=self.now,
+            **overrides,
+        )
+        resource = Resource(
+            owner=Owner(name="llama", namespace="ns", uid="uid-1"),
+            generation=self.generation,
+            annotations=self.annotations,
+            spec=parse_spec(self.spec),
+            status=self.status,
+        )
+        result = plan(resource, observed, SETTINGS)
+        for manifest in result.create_jobs:
+            name = manifest["metadata"]["name"]
+            command = manifest["metadata"]["labels"]["preshard.dev/command"]
+            self.jobs.setdefault(name, running(name, command))
+        for name in result.delete_jobs:
+            self.jobs.pop(name, None)
+        for patch in result.patches:
+            current = self.deployments[patch.name]
+            body = copy.deepcopy(patch.patch)
+            body["metadata"].pop("resourceVersion")
+            updated = apply_merge_patch(current, body)
+            updated["metadata"]["resourceVersion"] = str(
+                int(current["metadata"]["resourceVersion"]) + 1
+            )
+            updated["metadata"]["generation"] = current["metadata"]["generation"] + 1
+            self.deployments[patch.name] = updated
+        self.status = result.status
+        self.last = result
+        return result
+
+    def finish(self, name: str, outcome: Outcome | None, *, exit_code_: int | None = None) -> None:
+        job = self.jobs[name]
+        ok = outcome.ok if outcome else exit_code_ == 0
+        code = exit_code_ if exit_code_ is not None else (0 if ok else exit_code(outcome.reason))  # type: ignore[union-attr]
+        pod = PodView(
+            name=f"{name}-pod",
+            created="2026-12-01T12:00:00Z",
+            phase="Succeeded" if ok else "Failed",
+            exit_code=code,
+            message=outcome.to_message() if outcome else None,
+        )
+        self.jobs[name] = JobView(
+            name=name,
+            command=job.command,
+            finished=True,
+            succeeded=ok,
+            condition_reason=None if ok else "BackoffLimitExceeded",
+            condition_message="" if ok else "Job has reached the specified backoff limit",
+            pods=(pod,),
+        )
+
+    def roll_out(self) -> None:
+        """The Deployment controller finishes every rollout."""
+        for item in self.deployments.values():
+            item["status"]["observedGeneration"] = item["metadata"]["generation"]
+
+    def condition(self, type_: str) -> tuple[str, str]:
+        found = conditions.find(self.status.conditions, type_)
+        assert found is not None
+        return found.status, found.reason
+
+    def only_set(self) -> Any:
+        (entry,) = self.status.shard_sets
+        return entry
+
+
+def running(name: str, command: str) -> JobView:
+    return JobView(
+        name=name,
+        command=command,
+        finished=False,
+        succeeded=False,
+        condition_reason=None,
+        condition_message="",
+        pods=(),
+    )
+
+
+def apply_merge_patch(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = apply_merge_patch(result.get(key), value)
+    return result
+
+
+def verified(tp: int = 2) -> Outcome:
+    return Outcome(
+        command="verify",
+        ok=True,
+        reason=reasons.VERIFIED,
+        tensor_parallel_size=tp,
+        total_bytes=1000,
+        files=5,
+        vllm_version="0.34.0",
+        tensorizer_version="2.10.1",
+    )
+
+
+def failed(command: str, reason: str, message: str = "") -> Outcome:
+    return Outcome(command=command, ok=False, reason=reason, message=message)  # type: ignore[arg-type]
+
+
+def serialized() -> Outcome:
+    return Outcome(command="serialize", ok=True, reason=reasons.SERIALIZED, total_bytes=1000)
+
+
+def drive_to_ready(world: World) -> None:
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    world.step()
+    world.finish(world.only_set().job, serialized())
+    world.step()
+    world.finish(world.only_set().job, verified())
+    world.step()
+    world.step()
+
+
+def test_a_new_resource_probes_before_it_serializes() -> None:
+    world = World()
+    result = world.step()
+    (job,) = result.create_jobs
+    assert job["metadata"]["labels"]["preshard.dev/command"] == "verify"
+    assert world.only_set().stage == "Probing"
+    assert world.condition(conditions.READY) == ("False", reasons.PROBING)
+    assert result.patches == []
+
+
+def test_an_existing_set_is_reused_without_a_gpu() -> None:
+    world = World()
+    world.step()
+    world.finish(world.only_set().job, verified())
+    result = world.step()
+    assert result.create_jobs == []
+    entry = world.only_set()
+    assert (entry.stage, entry.reason, entry.serialize_run) == (
+        "Verified",
+        reasons.ALREADY_SERIALIZED,
+        0,
+    )
+    (patch,) = result.patches
+    assert patch.name == "vllm"
+    world.step()
+    assert world.condition(conditions.READY) == ("True", reasons.READY)
+    assert world.condition(conditions.SERIALIZED) == ("True", reasons.ALREADY_SERIALIZED)
+
+
+def test_full_lifecycle_serialize_verify_patch_ready() -> None:
+    world = World()
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    result = world.step()
+    (serialize,) = result.create_jobs
+    assert serialize["metadata"]["name"].endswith("-serialize-1")
+    assert world.only_set().stage == "Serializing"
+    assert world.condition(conditions.SERIALIZED) == ("False", reasons.SERIALIZING)
+
+    world.finish(world.only_set().job, serialized())
+    result = world.step()
+    (verify,) = result.create_jobs
+    assert verify["metadata"]["name"].endswith("-verify-2")
+    assert world.only_set().stage == "Verifying"
+    assert world.condition(conditions.SERIALIZED) == ("True", reasons.SERIALIZED)
+    assert world.condition(conditions.VERIFIED) == ("False", reasons.VERIFYING)
+
+    world.finish(world.only_set().job, verified())
+    result = world.step()
+    assert [p.name for p in result.patches] == ["vllm"]
+    assert world.only_set().stage == "Verified"
+    assert world.only_set().next_check == "2026-12-01T13:00:00Z"
+    (target,) = world.status.targets
+    assert (target.state, target.tensor_parallel_size) == ("Patched", 2)
+
+    converged = world.step()
+    assert (converged.create_jobs, converged.patches, converged.delete_jobs) == ([], [], [])
+    assert world.condition(conditions.READY) == ("True", reasons.READY)
+    assert world.condition(conditions.TARGETS_PATCHED) == ("True", reasons.PATCHED)
+    assert world.condition(conditions.DEGRADED) == ("False", reasons.AS_EXPECTED)
+    args = world.deployments["vllm"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--load-format" in args
+    assert world.deployments["vllm"]["spec"]["replicas"] == 2
+
+
+def test_planning_twice_on_one_observation_decides_the_same() -> None:
+    world = World()
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    snapshot = copy.deepcopy(world.status), dict(world.jobs)
+    first = world.step()
+    world.status, world.jobs = snapshot
+    second = world.step()
+    assert first.create_jobs == second.create_jobs
+    assert first.status == second.status
+
+
+def test_converged_resource_has_nothing_to_do_and_keeps_transition_times() -> None:
+    world = World()
+    drive_to_ready(world)
+    before = world.status
+    world.now = NOW + timedelta(minutes=5)
+    result = world.step()
+    assert (result.create_jobs, result.patches, result.events) == ([], [], [])
+    assert result.status == before
+    assert result.requeue_after == pytest.approx(55 * 60)
+
+
+def test_bad_input_is_not_retried_and_a_retry_annotation_starts_over() -> None:
+    world = World()
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    world.step()
+    world.finish(
+        world.only_set().job,
+        failed("serialize", reasons.INSUFFICIENT_SCRATCH, "needs 300 GiB, 100 GiB free"),
+    )
+    result = world.step()
+    assert result.create_jobs == []
+    entry = world.only_set()
+    assert (entry.stage, entry.reason) == ("Failed", reasons.INSUFFICIENT_SCRATCH)
+    assert world.condition(conditions.READY) == ("False", reasons.INSUFFICIENT_SCRATCH)
+    assert "needs 300 GiB" in entry.message
+    assert any(
+        e.type == "Warning" and e.reason == reasons.INSUFFICIENT_SCRATCH for e in result.events
+    )
+    assert world.status.targets[0].state == "Waiting"
+    assert world.step().create_jobs == []
+
+    world.annotations["preshard.dev/retry"] = "1"
+    result = world.step()
+    (job,) = result.create_jobs
+    assert job["metadata"]["name"].endswith("-serialize-2")
+    assert world.step().create_jobs == []
+
+
+def test_a_failed_job_without_a_message_reports_the_platform_reason() -> None:
+    world = World()
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    world.step()
+    name = world.only_set().job
+    world.jobs[name] = JobView(
+        name=name,
+        command="serialize",
+        finished=True,
+        succeeded=False,
+        condition_reason="BackoffLimitExceeded",
+        condition_message="Job has reached the specified backoff limit",
+        pods=(
+            PodView(
+                name="p", created="t", phase="Failed", exit_code=137, terminated_reason="OOMKilled"
+            ),
+        ),
+    )
+    world.step()
+    assert (world.only_set().stage, world.only_set().reason) == ("Failed", reasons.OOM_KILLED)
+
+
+def test_unreachable_store_backs_off_and_retries() -> None:
+    world = World()
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.UNREACHABLE, "connect timeout"))
+    result = world.step()
+    assert result.create_jobs == []
+    assert result.requeue_after == pytest.approx(30)
+    entry = world.only_set()
+    assert (entry.stage, entry.failures, entry.next_check) == ("Probing", 1, "2026-12-01T12:00:30Z")
+    assert world.condition(conditions.DEGRADED) == ("True", reasons.UNREACHABLE)
+    world.now = NOW + timedelta(seconds=31)
+    (retry,) = world.step().create_jobs
+    assert retry["metadata"]["name"].endswith("-verify-2")
+
+
+def test_a_missing_secret_is_reported_while_the_job_waits() -> None:
+    world = World()
+    world.step()
+    name = world.only_set().job
+    world.jobs[name] = JobView(
+        name=name,
+        command="verify",
+        finished=False,
+        succeeded=False,
+        condition_reason=None,
+        condition_message="",
+        pods=(
+            PodView(
+                name="p",
+                created="t",
+                phase="Pending",
+                waiting_reason="CreateContainerConfigError",
+                waiting_message='secret "s3" not found',
+            ),
+        ),
+    )
+    world.step()
+    assert world.only_set().reason == reasons.SECRET_NOT_FOUND
+    assert world.condition(conditions.READY)[1] == reasons.SECRET_NOT_FOUND
+
+
+def test_a_shard_missing_after_ready_is_detected_and_nothing_is_repointed() -> None:
+    world = World()
+    drive_to_ready(world)
+    patched = copy.deepcopy(world.deployments)
+    world.now = NOW + timedelta(hours=1, seconds=1)
+    (check,) = world.step().create_jobs
+    assert check["metadata"]["name"].endswith("-verify-3")
+    assert world.condition(conditions.READY) == ("True", reasons.READY)
+    world.finish(world.only_set().job, failed("verify", reasons.SHARD_MISSING, "model-rank-001"))
+    result = world.step()
+    assert result.patches == []
+    assert world.deployments == patched
+    assert world.condition(conditions.READY) == ("False", reasons.SHARD_MISSING)
+    assert world.condition(conditions.DEGRADED) == ("True", reasons.SHARD_MISSING)
+
+
+def test_tp_larger_than_a_node_is_refused_without_a_job() -> None:
+    world = World({**BASE_SPEC, "tensorParallelSizes": [16]})
+    result = world.step()
+    assert result.create_jobs == []
+    assert world.condition(conditions.READY) == ("False", reasons.TP_EXCEEDS_GPUS)
+
+
+def test_target_missing_then_appearing() -> None:
+    world = World()
+    world.deployments = {}
+    drive_to_ready(world)
+    assert world.status.targets[0].state == "NotFound"
+    assert world.condition(conditions.READY) == ("False", reasons.TARGET_NOT_FOUND)
+    world.deployments = {"vllm": deployment()}
+    assert [p.name for p in world.step().patches] == ["vllm"]
+    world.step()
+    assert world.condition(conditions.READY) == ("True", reasons.READY)
+
+
+def test_a_deployment_owned_by_another_resource_is_a_conflict() -> None:
+    world = World()
+    other = deployment()
+    other["metadata"]["annotations"] = {ANNOTATION_OWNER: "someone-else"}
+    world.deployments = {"vllm": other}
+    drive_to_ready(world)
+    assert world.last is not None
+    assert world.last.patches == []
+    assert world.status.targets[0].state == "Conflict"
+    assert world.condition(conditions.READY) == ("False", reasons.TARGET_CONFLICT)
+
+
+def test_an_unsafe_shell_command_is_refused() -> None:
+    world = World()
+    world.deployments["vllm"]["spec"]["template"]["spec"]["containers"][0].update(
+        {"command": ["/bin/sh", "-c"], "args": ["pip install x && vllm serve org/model"]}
+    )
+    drive_to_ready(world)
+    assert world.status.targets[0].state == "Refused"
+    assert world.condition(conditions.READY) == ("False", reasons.UNSUPPORTED_COMMAND)
+
+
+def test_hand_edits_are_reasserted() -> None:
+    world = World()
+    drive_to_ready(world)
+    container = world.deployments["vllm"]["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    args[args.index("--tensor-parallel-size") + 1] = "4"
+    (patch,) = world.step().patches
+    assert patch.name == "vllm"
+    fixed = world.deployments["vllm"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert fixed[fixed.index("--tensor-parallel-size") + 1] == "2"
+    assert world.step().patches == []
+
+
+def test_changing_tp_builds_the_new_set_before_switching() -> None:
+    world = World({**BASE_SPEC, "storage": {**BASE_SPEC["storage"], "retention": "Delete"}})
+    drive_to_ready(world)
+    old_key = world.only_set().artifact_key
+    world.spec["tensorParallelSizes"] = [4]
+    world.generation = 2
+    result = world.step()
+    (probe,) = result.create_jobs
+    assert probe["metadata"]["annotations"]["preshard.dev/tensor-parallel-size"] == "4"
+    assert result.patches == []
+    (target,) = world.status.targets
+    assert (target.state, target.artifact_key) == ("Waiting", old_key)
+    assert {e.stage for e in world.status.shard_sets} == {"Probing", "Superseded"}
+
+    new = next(e for e in world.status.shard_sets if e.tensor_parallel_size == 4)
+    world.finish(new.job, verified(4))
+    result = world.step()
+    assert [p.name for p in result.patches] == ["vllm"]
+    args = world.deployments["vllm"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "4"
+    assert world.step().create_jobs == [], "old pods still load the old set"
+    world.roll_out()
+    (delete,) = world.step().create_jobs
+    assert delete["metadata"]["labels"]["preshard.dev/command"] == "delete"
+    old = next(e for e in world.status.shard_sets if e.artifact_key == old_key)
+    world.finish(old.job, Outcome(command="delete", ok=True, reason=reasons.DELETED))
+    world.step()
+    world.step()
+    assert [e.tensor_parallel_size for e in world.status.shard_sets] == [4]
+    assert world.condition(conditions.READY) == ("True", reasons.READY)
+
+
+def test_a_set_another_resource_uses_is_released_not_deleted() -> None:
+    world = World({**BASE_SPEC, "storage": {**BASE_SPEC["storage"], "retention": "Delete"}})
+    drive_to_ready(world)
+    old_key = world.only_set().artifact_key
+    world.spec["model"]["revision"] = "def456"
+    world.step(keys_used_elsewhere=frozenset({old_key}))
+    new = next(e for e in world.status.shard_sets if e.artifact_key != old_key)
+    world.finish(new.job, verified())
+    world.step(keys_used_elsewhere=frozenset({old_key}))
+    world.roll_out()
+    result = world.step(keys_used_elsewhere=frozenset({old_key}))
+    assert result.create_jobs == []
+    assert any(e.reason == reasons.RELEASED for e in result.events)
+    assert [e.artifact_key for e in world.status.shard_sets] == [new.artifact_key]
+
+
+def test_a_target_removed_from_the_spec_is_restored() -> None:
+    world = World()
+    original = copy.deepcopy(world.deployments["vllm"])
+    drive_to_ready(world)
+    world.spec["targets"] = []
+    (patch,) = world.step().patches
+    assert patch.restore
+    restored = world.deployments["vllm"]
+    for key in ("spec",):
+        assert restored[key] == original[key]
+    assert restored["metadata"].get("annotations", {}) == {}
+    assert world.condition(conditions.TARGETS_PATCHED) == ("True", reasons.NO_TARGETS)
+
+
+def test_selector_targets_every_matching_deployment() -> None:
+    spec = {**BASE_SPEC, "targets": [{"selector": {"matchLabels": {"tier": "serving"}}}]}
+    first, second, other = deployment("a"), deployment("b"), deployment("c")
+    for item in (first, second):
+        item["metadata"]["labels"]["tier"] = "serving"
+    world = World(spec, a=first, b=second, c=other)
+    drive_to_ready(world)
+    assert [t.name for t in world.status.targets] == ["a", "b"]
+    assert world.condition(conditions.READY) == ("True", reasons.READY)
+    assert "annotations" not in world.deployments["c"]["metadata"]
+
+
+def test_merge_patch_removes_and_replaces() -> None:
+    assert merge_patch({"a": 1, "b": {"c": 1, "d": 2}, "l": [1]}, {"b": {"c": 2}, "l": [2]}) == {
+        "a": None,
+        "b": {"c": 2, "d": None},
+        "l": [2],
+    }

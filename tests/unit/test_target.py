@@ -1,0 +1,322 @@
+"""Patching a vLLM Deployment for a shard set, and restoring it, by exact equality."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from preshard import reasons
+from preshard.api.models import parse_spec
+from preshard.builders.common import Owner, ShardSet
+from preshard.builders.target import (
+    ANNOTATION_ORIGINAL,
+    TargetInput,
+    build_patched_deployment,
+    build_restored_deployment,
+    deployment_patch,
+    managed_view,
+    rollout,
+    rollout_complete,
+)
+from preshard.settings import Settings
+
+KEY = "0123456789abcdef0123"
+SETTINGS = Settings(tools_image="tools:1")
+
+
+def deployment() -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "vllm", "namespace": "ns", "resourceVersion": "7", "generation": 3},
+        "spec": {
+            "replicas": 3,
+            "template": {
+                "spec": {
+                    "initContainers": [{"name": "warmup", "image": "busybox"}],
+                    "containers": [
+                        {
+                            "name": "vllm",
+                            "image": "vllm/vllm-openai:v0.34.0",
+                            "command": ["vllm", "serve"],
+                            "args": ["meta-llama/Llama-3.1-8B-Instruct", "--port", "8000"],
+                            "env": [
+                                {"name": "HF_HOME", "value": "/cache"},
+                                {"name": "AWS_REGION", "value": "old"},
+                            ],
+                            "resources": {
+                                "requests": {"nvidia.com/gpu": "1", "cpu": "4"},
+                                "limits": {"nvidia.com/gpu": "1"},
+                            },
+                            "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+                        },
+                        {"name": "sidecar", "image": "envoy"},
+                    ],
+                    "volumes": [{"name": "cache", "emptyDir": {}}],
+                }
+            },
+        },
+    }
+
+
+def target_input(
+    extra: dict[str, Any] | None = None, container: str | None = "vllm"
+) -> TargetInput:
+    raw: dict[str, Any] = {
+        "model": {"id": "meta-llama/Llama-3.1-8B-Instruct"},
+        "storage": {
+            "uri": "s3://models/shards",
+            "endpoint": "http://minio.storage:9000",
+            "region": "us-east-1",
+            "credentialsSecretRef": {"name": "s3"},
+        },
+        "tensorParallelSizes": [4],
+        **(extra or {}),
+    }
+    spec = parse_spec(raw)
+    return TargetInput(
+        owner=Owner(name="llama", namespace="ns", uid="u"),
+        spec=spec,
+        shard_set=ShardSet.for_spec(spec, 4, KEY),
+        settings=SETTINGS,
+        container=container,
+    )
+
+
+CREDENTIALS = [
+    {
+        "name": "AWS_ACCESS_KEY_ID",
+        "valueFrom": {"secretKeyRef": {"name": "s3", "key": "AWS_ACCESS_KEY_ID"}},
+    },
+    {
+        "name": "AWS_SECRET_ACCESS_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "s3", "key": "AWS_SECRET_ACCESS_KEY"}},
+    },
+    {"name": "AWS_REGION", "value": "us-east-1"},
+    {"name": "AWS_DEFAULT_REGION", "value": "us-east-1"},
+]
+
+
+def test_patch_points_the_container_at_the_shard_set() -> None:
+    patched = build_patched_deployment(deployment(), target_input())
+    assert isinstance(patched, dict)
+    pod = patched["spec"]["template"]["spec"]
+    vllm = pod["containers"][0]
+    extra = json.dumps(
+        {
+            "num_readers": 8,
+            "tensorizer_uri": f"s3://models/shards/{KEY}/model-rank-%03d.tensors",
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    assert vllm == {
+        "name": "vllm",
+        "image": "vllm/vllm-openai:v0.34.0",
+        "command": ["vllm", "serve"],
+        "args": [
+            "/var/run/preshard/model",
+            "--port",
+            "8000",
+            "--served-model-name",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "--tensor-parallel-size",
+            "4",
+            "--load-format",
+            "tensorizer",
+            "--model-loader-extra-config",
+            extra,
+        ],
+        "env": [
+            {"name": "HF_HOME", "value": "/cache"},
+            *CREDENTIALS,
+            {"name": "AWS_ENDPOINT_URL_S3", "value": "http://minio.storage:9000"},
+        ],
+        "resources": {
+            "requests": {"nvidia.com/gpu": "4", "cpu": "4"},
+            "limits": {"nvidia.com/gpu": "4"},
+        },
+        "volumeMounts": [
+            {"name": "cache", "mountPath": "/cache"},
+            {"name": "preshard-model", "mountPath": "/var/run/preshard/model", "readOnly": True},
+        ],
+    }
+    assert pod["containers"][1] == {"name": "sidecar", "image": "envoy"}
+    assert pod["initContainers"] == [
+        {"name": "warmup", "image": "busybox"},
+        {
+            "name": "preshard-fetch-config",
+            "image": "tools:1",
+            "imagePullPolicy": "IfNotPresent",
+            "command": ["preshard"],
+            "args": [
+                "fetch-config",
+                f"s3://models/shards/{KEY}/",
+                "/var/run/preshard/model",
+                "--endpoint",
+                "http://minio.storage:9000",
+                "--region",
+                "us-east-1",
+            ],
+            "env": CREDENTIALS,
+            "resources": {
+                "requests": {"cpu": "100m", "memory": "128Mi"},
+                "limits": {"memory": "256Mi"},
+            },
+            "volumeMounts": [{"name": "preshard-model", "mountPath": "/var/run/preshard/model"}],
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            },
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        },
+    ]
+    assert pod["volumes"] == [
+        {"name": "cache", "emptyDir": {}},
+        {"name": "preshard-model", "emptyDir": {}},
+    ]
+    assert patched["spec"]["replicas"] == 3
+    annotations = patched["metadata"]["annotations"]
+    assert annotations["preshard.dev/owner"] == "llama"
+    assert annotations["preshard.dev/artifact-key"] == KEY
+    assert annotations["preshard.dev/tensor-parallel-size"] == "4"
+    assert json.loads(annotations[ANNOTATION_ORIGINAL]) == {
+        "container": "vllm",
+        "command": ["vllm", "serve"],
+        "args": ["meta-llama/Llama-3.1-8B-Instruct", "--port", "8000"],
+        "env": [{"name": "HF_HOME", "value": "/cache"}, {"name": "AWS_REGION", "value": "old"}],
+        "resources": {
+            "requests": {"nvidia.com/gpu": "1", "cpu": "4"},
+            "limits": {"nvidia.com/gpu": "1"},
+        },
+        "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+    }
+
+
+def test_patching_is_idempotent() -> None:
+    once = build_patched_deployment(deployment(), target_input())
+    assert isinstance(once, dict)
+    twice = build_patched_deployment(once, target_input())
+    assert twice == once
+
+
+def test_restore_gives_back_the_original() -> None:
+    original = deployment()
+    patched = build_patched_deployment(original, target_input())
+    assert isinstance(patched, dict)
+    restored = build_restored_deployment(patched)
+    assert restored is not None
+    assert restored["spec"] == original["spec"]
+    assert restored["metadata"]["annotations"] == {}
+    assert build_restored_deployment(original) is None
+
+
+def test_encrypted_sets_mount_only_the_key_file() -> None:
+    encrypted = target_input({"encryption": {"secretRef": {"name": "key", "key": "k"}}})
+    patched = build_patched_deployment(deployment(), encrypted)
+    assert isinstance(patched, dict)
+    pod = patched["spec"]["template"]["spec"]
+    assert pod["volumes"][-1] == {
+        "name": "preshard-encryption-key",
+        "secret": {
+            "secretName": "key",
+            "items": [{"key": "k", "path": "key"}],
+            "defaultMode": 0o400,
+        },
+    }
+    vllm = pod["containers"][0]
+    assert vllm["volumeMounts"][-1] == {
+        "name": "preshard-encryption-key",
+        "mountPath": "/var/run/preshard/encryption",
+        "readOnly": True,
+    }
+    config = json.loads(vllm["args"][vllm["args"].index("--model-loader-extra-config") + 1])
+    assert config["encryption_keyfile"] == "/var/run/preshard/encryption/key"
+    init = pod["initContainers"][-1]
+    assert all(m["name"] != "preshard-encryption-key" for m in init["volumeMounts"])
+
+
+def test_https_endpoint_goes_into_the_json_too() -> None:
+    spec = target_input({"storage": {"uri": "s3://models/shards", "endpoint": "https://s3.x.io"}})
+    patched = build_patched_deployment(deployment(), spec)
+    assert isinstance(patched, dict)
+    args = patched["spec"]["template"]["spec"]["containers"][0]["args"]
+    config = json.loads(args[args.index("--model-loader-extra-config") + 1])
+    assert config["s3_endpoint"] == "https://s3.x.io"
+
+
+def test_other_gpu_resource_names() -> None:
+    amd = target_input({"serialization": {"gpuResourceName": "amd.com/gpu"}})
+    source = deployment()
+    source["spec"]["template"]["spec"]["containers"][0]["resources"] = {
+        "limits": {"amd.com/gpu": "1"}
+    }
+    patched = build_patched_deployment(source, amd)
+    assert isinstance(patched, dict)
+    assert patched["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "limits": {"amd.com/gpu": "4"}
+    }
+
+
+def test_container_must_be_found() -> None:
+    refused = build_patched_deployment(deployment(), target_input(container="nope"))
+    assert not isinstance(refused, dict)
+    assert refused.reason == reasons.CONTAINER_NOT_FOUND
+    assert "vllm, sidecar" in refused.message
+
+
+def test_the_vllm_container_is_found_among_several() -> None:
+    patched = build_patched_deployment(deployment(), target_input(container=None))
+    assert isinstance(patched, dict)
+    assert "--load-format" in patched["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_deployment_of_another_owner_is_refused() -> None:
+    owned = deployment()
+    owned["metadata"]["annotations"] = {"preshard.dev/owner": "other"}
+    refused = build_patched_deployment(owned, target_input())
+    assert not isinstance(refused, dict)
+    assert refused.reason == reasons.TARGET_CONFLICT
+
+
+def test_unsupported_commands_are_refused_with_the_container_named() -> None:
+    shell = deployment()
+    shell["spec"]["template"]["spec"]["containers"][0].update(
+        {"command": ["sh", "-c", "vllm serve x; sleep 1"], "args": None}
+    )
+    refused = build_patched_deployment(shell, target_input())
+    assert not isinstance(refused, dict)
+    assert refused.reason == reasons.UNSUPPORTED_COMMAND
+    assert refused.message.startswith("container vllm: ")
+
+
+def test_patch_is_a_guarded_merge_patch_of_the_template() -> None:
+    current = deployment()
+    patched = build_patched_deployment(current, target_input())
+    assert isinstance(patched, dict)
+    patch = deployment_patch(current, patched)
+    assert patch["metadata"]["resourceVersion"] == "7"
+    assert set(patch) == {"metadata", "spec"}
+    assert set(patch["spec"]) == {"template"}
+
+
+def test_server_defaults_do_not_look_like_drift() -> None:
+    patched = build_patched_deployment(deployment(), target_input())
+    assert isinstance(patched, dict)
+    defaulted = copy.deepcopy(patched)
+    init = defaulted["spec"]["template"]["spec"]["initContainers"][-1]
+    init["terminationMessagePath"] = "/dev/termination-log"
+    defaulted["spec"]["template"]["spec"]["dnsPolicy"] = "ClusterFirst"
+    assert managed_view(defaulted, "vllm") == managed_view(patched, "vllm")
+
+
+def test_rollout_text_and_completion() -> None:
+    item = deployment()
+    item["status"] = {"observedGeneration": 3, "updatedReplicas": 3, "replicas": 3}
+    assert rollout(item) == "3/3 updated, 0 available"
+    assert rollout_complete(item)
+    item["status"] = {"observedGeneration": 2, "updatedReplicas": 1, "replicas": 4}
+    assert rollout(item) == "1/3 updated, 0 available (rollout pending)"
+    assert not rollout_complete(item)
