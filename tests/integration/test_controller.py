@@ -1,0 +1,304 @@
+"""The controller against the real control plane: from `kubectl apply` to patched Deployments.
+
+Jobs placed on `kwok-manual-0` stay Running until the test writes their pod's terminal status
+and termination message, as the data plane would; Jobs on the `kwok-gpu-*` nodes are completed
+by kwok with a success message.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+
+from preshard import reasons
+from preshard.devenv import binaries
+from preshard.devenv.controlplane import LocalCluster
+from preshard.outcome import Outcome, exit_code
+from tests.support import shardedmodels as shm
+from tests.support.cluster import complete_pod, job_pods, on_node, wait_for
+from tests.support.operator import OperatorProcess
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
+
+MANUAL = on_node("manual")
+
+
+def spec(**changes: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model": {"id": "org/model", "revision": "abc123"},
+        "storage": {
+            "uri": "s3://models/shards",
+            "endpoint": "http://s3.storage:8333",
+            "credentialsSecretRef": {"name": "s3"},
+        },
+        "tensorParallelSizes": [2],
+        "targets": [{"name": "vllm"}],
+    }
+    base.update(changes)
+    return base
+
+
+def manual_spec(**changes: Any) -> dict[str, Any]:
+    """Every Job of this ShardedModel lands on the manual node, where the test finishes it."""
+    placement = {"nodeSelector": MANUAL["nodeSelector"], "tolerations": MANUAL["tolerations"]}
+    return spec(serialization=placement, verification=placement, **changes)
+
+
+def job_named(api: k8s.ApiClient, namespace: str, suffix: str) -> dict[str, Any]:
+    def find() -> dict[str, Any] | None:
+        return next(
+            (j for j in shm.jobs(api, namespace) if j["metadata"]["name"].endswith(suffix)), None
+        )
+
+    return wait_for(find, timeout=30, what=f"a Job named *{suffix}")
+
+
+def finish(api: k8s.ApiClient, namespace: str, job: dict[str, Any], outcome: Outcome) -> None:
+    name = job["metadata"]["name"]
+    pod = wait_for(
+        lambda: next(iter(job_pods(api, namespace, name)), None), what=f"a pod of Job {name}"
+    )
+    code = 0 if outcome.ok else exit_code(outcome.reason)
+    complete_pod(api, pod, code, outcome.to_message())
+
+
+def test_lifecycle_probe_serialize_verify_patch(kube_api: k8s.ApiClient, namespace: str) -> None:
+    shm.create_deployment(kube_api, namespace, "vllm")
+    shm.create(kube_api, namespace, "llama", manual_spec())
+
+    probe = job_named(kube_api, namespace, "-verify-1")
+    container = probe["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:3] == ["verify", container["args"][1], "--tensor-parallel-size"]
+    assert probe["metadata"]["ownerReferences"][0]["kind"] == "ShardedModel"
+    shm.wait_condition(kube_api, namespace, "llama", "Ready", "False", reasons.PROBING)
+    finish(
+        kube_api,
+        namespace,
+        probe,
+        Outcome(command="verify", ok=False, reason=reasons.MANIFEST_MISSING),
+    )
+
+    serialize = job_named(kube_api, namespace, "-serialize-1")
+    pod_spec = serialize["spec"]["template"]["spec"]
+    assert pod_spec["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert serialize["spec"]["podFailurePolicy"]["rules"][0]["action"] == "FailJob"
+    assert pod_spec["volumes"][0]["emptyDir"] == {"sizeLimit": "200Gi"}
+    shm.wait_condition(kube_api, namespace, "llama", "Serialized", "False", reasons.SERIALIZING)
+    finish(
+        kube_api,
+        namespace,
+        serialize,
+        Outcome(command="serialize", ok=True, reason=reasons.SERIALIZED, total_bytes=42),
+    )
+
+    verify = job_named(kube_api, namespace, "-verify-2")
+    finish(
+        kube_api,
+        namespace,
+        verify,
+        Outcome(
+            command="verify",
+            ok=True,
+            reason=reasons.VERIFIED,
+            tensor_parallel_size=2,
+            total_bytes=42,
+            files=4,
+            vllm_version="0.34.0",
+            tensorizer_version="2.10.1",
+        ),
+    )
+    resource = shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
+    (entry,) = resource["status"]["shardSets"]
+    assert (entry["stage"], entry["totalBytes"], entry["vllmVersion"]) == ("Verified", 42, "0.34.0")
+    assert resource["status"]["observedGeneration"] == 1
+
+    deployment = shm.read_deployment(kube_api, namespace, "vllm")
+    args = shm.vllm_args(deployment)
+    assert shm.flag(args, "--tensor-parallel-size") == "2"
+    assert shm.flag(args, "--load-format") == "tensorizer"
+    assert shm.flag(args, "--served-model-name") == "org/model"
+    extra = json.loads(shm.flag(args, "--model-loader-extra-config") or "{}")
+    assert extra["tensorizer_uri"] == f"{entry['uri']}model-rank-%03d.tensors"
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["args"][:2] == ["fetch-config", entry["uri"]]
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert deployment["spec"]["replicas"] == 1
+
+
+def test_hand_edits_are_reasserted_and_deletion_restores(
+    kube_api: k8s.ApiClient, namespace: str
+) -> None:
+    original = shm.create_deployment(kube_api, namespace, "vllm")
+    shm.create(kube_api, namespace, "llama", spec())
+    shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
+
+    args = shm.vllm_args(shm.read_deployment(kube_api, namespace, "vllm"))
+    args[args.index("--tensor-parallel-size") + 1] = "8"
+    args[args.index("--load-format") + 1] = "auto"
+    k8s.AppsV1Api(kube_api).patch_namespaced_deployment(
+        "vllm",
+        namespace,
+        {"spec": {"template": {"spec": {"containers": [{"name": "vllm", "args": args}]}}}},
+    )
+
+    def reasserted() -> bool:
+        current = shm.vllm_args(shm.read_deployment(kube_api, namespace, "vllm"))
+        return (
+            shm.flag(current, "--tensor-parallel-size") == "2"
+            and shm.flag(current, "--load-format") == "tensorizer"
+        )
+
+    wait_for(reasserted, timeout=30, what="the hand edit to be re-asserted")
+
+    shm.delete(kube_api, namespace, "llama")
+    wait_for(lambda: shm.gone(kube_api, namespace, "llama"), timeout=30, what="deletion")
+    restored = shm.read_deployment(kube_api, namespace, "vllm")
+    assert (
+        restored["spec"]["template"]["spec"]["containers"]
+        == original["spec"]["template"]["spec"]["containers"]
+    )
+    assert "initContainers" not in restored["spec"]["template"]["spec"]
+    assert not any(
+        key.startswith("preshard.dev/") for key in restored["metadata"].get("annotations") or {}
+    )
+
+
+def test_changing_tp_switches_after_the_new_set_is_verified(
+    kube_api: k8s.ApiClient, namespace: str
+) -> None:
+    shm.create_deployment(kube_api, namespace, "vllm")
+    shm.create(kube_api, namespace, "llama", spec())
+    ready = shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
+    (old,) = ready["status"]["shardSets"]
+
+    shm.patch(
+        kube_api,
+        namespace,
+        "llama",
+        {
+            "spec": {
+                "tensorParallelSizes": [4],
+                "targets": [{"name": "vllm", "tensorParallelSize": 4}],
+            }
+        },
+    )
+
+    def switched() -> dict[str, Any] | None:
+        resource = shm.get(kube_api, namespace, "llama")
+        sets = (resource.get("status") or {}).get("shardSets") or []
+        args = shm.vllm_args(shm.read_deployment(kube_api, namespace, "vllm"))
+        done = [s["tensorParallelSize"] for s in sets] == [4] and shm.flag(
+            args, "--tensor-parallel-size"
+        ) == "4"
+        return resource if done else None
+
+    resource = wait_for(switched, timeout=60, what="the switch to TP 4 and the old set's release")
+    assert resource["status"]["shardSets"][0]["artifactKey"] != old["artifactKey"]
+    assert resource["status"]["observedGeneration"] == 2
+    shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
+
+
+def test_a_missing_target_is_picked_up_when_it_appears(
+    kube_api: k8s.ApiClient, namespace: str
+) -> None:
+    shm.create(kube_api, namespace, "llama", spec())
+    shm.wait_condition(kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_NOT_FOUND)
+    shm.create_deployment(kube_api, namespace, "vllm")
+    shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
+
+
+@pytest.mark.parametrize(
+    ("changes", "container", "reason"),
+    [
+        ({"tensorParallelSizes": [16]}, None, reasons.TP_EXCEEDS_GPUS),
+        (
+            {"serialization": {"extraEngineArgs": {"load-format": "dummy"}}},
+            None,
+            reasons.INVALID_SPEC,
+        ),
+        (
+            {},
+            {
+                **shm.VLLM_CONTAINER,
+                "command": ["/bin/sh", "-c"],
+                "args": ["vllm serve x | tee log"],
+            },
+            reasons.UNSUPPORTED_COMMAND,
+        ),
+        ({"targets": [{"name": "vllm", "container": "nope"}]}, None, reasons.CONTAINER_NOT_FOUND),
+    ],
+)
+def test_bad_input_becomes_a_condition_and_patches_nothing(
+    kube_api: k8s.ApiClient,
+    namespace: str,
+    changes: dict[str, Any],
+    container: dict[str, Any] | None,
+    reason: str,
+) -> None:
+    original = shm.create_deployment(kube_api, namespace, "vllm", container=container)
+    shm.create(kube_api, namespace, "bad", spec(**changes))
+    shm.wait_condition(kube_api, namespace, "bad", "Ready", "False", reason)
+    current = shm.read_deployment(kube_api, namespace, "vllm")
+    assert current["spec"]["template"] == original["spec"]["template"]
+
+
+def test_two_resources_cannot_own_one_deployment(kube_api: k8s.ApiClient, namespace: str) -> None:
+    shm.create_deployment(kube_api, namespace, "vllm")
+    shm.create(kube_api, namespace, "first", spec())
+    shm.wait_condition(kube_api, namespace, "first", "Ready", "True", reasons.READY)
+    shm.create(kube_api, namespace, "second", spec(tensorParallelSizes=[4]))
+    shm.wait_condition(kube_api, namespace, "second", "Ready", "False", reasons.TARGET_CONFLICT)
+    args = shm.vllm_args(shm.read_deployment(kube_api, namespace, "vllm"))
+    assert shm.flag(args, "--tensor-parallel-size") == "2"
+
+
+def test_restart_picks_up_a_running_job_without_a_second_one(
+    kube_api: k8s.ApiClient, namespace: str, running_operator: OperatorProcess
+) -> None:
+    shm.create_deployment(kube_api, namespace, "vllm")
+    shm.create(kube_api, namespace, "llama", manual_spec())
+    probe = job_named(kube_api, namespace, "-verify-1")
+    finish(
+        kube_api,
+        namespace,
+        probe,
+        Outcome(command="verify", ok=False, reason=reasons.MANIFEST_MISSING),
+    )
+    job_named(kube_api, namespace, "-serialize-1")
+
+    running_operator.kill()
+    running_operator.start()
+    serialize = job_named(kube_api, namespace, "-serialize-1")
+    finish(
+        kube_api,
+        namespace,
+        serialize,
+        Outcome(command="serialize", ok=True, reason=reasons.SERIALIZED),
+    )
+    verify = job_named(kube_api, namespace, "-verify-2")
+    finish(kube_api, namespace, verify, Outcome(command="verify", ok=True, reason=reasons.VERIFIED))
+    shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
+    names = [j["metadata"]["name"] for j in shm.jobs(kube_api, namespace)]
+    assert sum(name.endswith("-serialize-1") for name in names) == 1
+    assert not any("-serialize-2" in name for name in names)
+
+
+def test_kubectl_shows_ready_reason_and_tp(
+    cluster: LocalCluster, kube_api: k8s.ApiClient, namespace: str
+) -> None:
+    shm.create_deployment(kube_api, namespace, "vllm")
+    shm.create(kube_api, namespace, "llama", spec())
+    shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
+    table = subprocess.run(
+        [str(binaries.tool_path("kubectl")), "get", "shm", "-n", namespace, "-o", "wide"],
+        env={"KUBECONFIG": str(cluster.admin_kubeconfig)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert table[0].split() == ["NAME", "READY", "REASON", "TP", "AGE", "STORAGE", "SHARD", "SETS"]
+    assert table[1].split()[:4] == ["llama", "True", "Ready", "[2]"]

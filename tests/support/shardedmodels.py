@@ -1,0 +1,208 @@
+"""Helpers for tests that drive ShardedModels through the real API server."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from preshard.api import models
+from tests.support.cluster import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "shardedmodels.preshard.dev.yaml"
+
+
+def install_crd(api: k8s.ApiClient) -> None:
+    """Create (or replace) the ShardedModel CRD and wait until it is served."""
+    extensions = k8s.ApiextensionsV1Api(api)
+    manifest = yaml.safe_load(CRD_PATH.read_text())
+    name = manifest["metadata"]["name"]
+    try:
+        extensions.create_custom_resource_definition(manifest)
+    except ApiException as error:
+        if error.status != 409:
+            raise
+        current = extensions.read_custom_resource_definition(name)
+        manifest["metadata"]["resourceVersion"] = current.metadata.resource_version
+        extensions.replace_custom_resource_definition(name, manifest)
+
+    def established() -> bool:
+        status = extensions.read_custom_resource_definition(name).status
+        return any(
+            c.type == "Established" and c.status == "True" for c in (status.conditions or [])
+        )
+
+    wait_for(established, timeout=30, what="the ShardedModel CRD to be established")
+
+
+def create(api: k8s.ApiClient, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Create a ShardedModel."""
+    body = {
+        "apiVersion": f"{models.GROUP}/{models.VERSION}",
+        "kind": models.KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
+    result: dict[str, Any] = k8s.CustomObjectsApi(api).create_namespaced_custom_object(
+        models.GROUP, models.VERSION, namespace, models.PLURAL, body
+    )
+    return result
+
+
+def get(api: k8s.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    """Read a ShardedModel as a dict."""
+    result: dict[str, Any] = k8s.CustomObjectsApi(api).get_namespaced_custom_object(
+        models.GROUP, models.VERSION, namespace, models.PLURAL, name
+    )
+    return result
+
+
+def patch(api: k8s.ApiClient, namespace: str, name: str, body: dict[str, Any]) -> None:
+    """Merge-patch a ShardedModel."""
+    k8s.CustomObjectsApi(api).patch_namespaced_custom_object(
+        models.GROUP,
+        models.VERSION,
+        namespace,
+        models.PLURAL,
+        name,
+        body,
+        _content_type="application/merge-patch+json",
+    )
+
+
+def delete(api: k8s.ApiClient, namespace: str, name: str) -> None:
+    """Delete a ShardedModel (its finalizer runs the cleanup)."""
+    k8s.CustomObjectsApi(api).delete_namespaced_custom_object(
+        models.GROUP, models.VERSION, namespace, models.PLURAL, name
+    )
+
+
+def gone(api: k8s.ApiClient, namespace: str, name: str) -> bool:
+    """Whether the ShardedModel no longer exists."""
+    try:
+        get(api, namespace, name)
+    except ApiException as error:
+        if error.status == 404:
+            return True
+        raise
+    return False
+
+
+def condition(resource: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    """One condition of a ShardedModel's status."""
+    for item in (resource.get("status") or {}).get("conditions") or []:
+        if item.get("type") == type_:
+            found: dict[str, Any] = item
+            return found
+    return None
+
+
+def wait_condition(
+    api: k8s.ApiClient,
+    namespace: str,
+    name: str,
+    type_: str,
+    status: str,
+    reason: str | None = None,
+    *,
+    timeout: float = 60.0,
+) -> dict[str, Any]:
+    """Wait until a condition has a status (and reason); returns the whole resource."""
+
+    def check() -> dict[str, Any] | None:
+        resource = get(api, namespace, name)
+        found = condition(resource, type_)
+        if found and found["status"] == status and (reason is None or found["reason"] == reason):
+            return resource
+        return None
+
+    try:
+        return wait_for(check, timeout=timeout, what=f"{type_}={status} ({reason})")
+    except TimeoutError:
+        current = (get(api, namespace, name).get("status") or {}).get("conditions")
+        raise TimeoutError(
+            f"{type_} never became {status}/{reason}; conditions: {current}"
+        ) from None
+
+
+VLLM_CONTAINER: dict[str, Any] = {
+    "name": "vllm",
+    "image": "vllm/vllm-openai:v0.34.0",
+    "command": ["vllm", "serve"],
+    "args": ["org/model", "--port", "8000"],
+    "resources": {"limits": {"nvidia.com/gpu": "1"}},
+}
+
+
+def create_deployment(
+    api: k8s.ApiClient,
+    namespace: str,
+    name: str,
+    *,
+    container: dict[str, Any] | None = None,
+    labels: dict[str, str] | None = None,
+    pod_spec: dict[str, Any] | None = None,
+    replicas: int = 1,
+) -> dict[str, Any]:
+    """A vLLM-style Deployment (pods go to the kwok GPU nodes unless `pod_spec` says else)."""
+    selector = {"app": name}
+    body = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {**selector, **(labels or {})},
+        },
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": selector},
+                "spec": {
+                    "containers": [copy.deepcopy(container or VLLM_CONTAINER)],
+                    **(pod_spec or {}),
+                },
+            },
+        },
+    }
+    result: dict[str, Any] = api.sanitize_for_serialization(
+        k8s.AppsV1Api(api).create_namespaced_deployment(namespace, body)
+    )
+    return result
+
+
+def read_deployment(api: k8s.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    """A Deployment as a dict."""
+    result: dict[str, Any] = api.sanitize_for_serialization(
+        k8s.AppsV1Api(api).read_namespaced_deployment(name, namespace)
+    )
+    return result
+
+
+def vllm_args(deployment: dict[str, Any], container: str = "vllm") -> list[str]:
+    """The args of a Deployment's container."""
+    for item in deployment["spec"]["template"]["spec"]["containers"]:
+        if item["name"] == container:
+            args: list[str] = item.get("args") or []
+            return args
+    raise KeyError(container)
+
+
+def flag(args: list[str], name: str) -> str | None:
+    """The value after a flag in an argument list."""
+    return args[args.index(name) + 1] if name in args else None
+
+
+def jobs(api: k8s.ApiClient, namespace: str) -> list[dict[str, Any]]:
+    """The namespace's Jobs as dicts, by name."""
+    items = k8s.BatchV1Api(api).list_namespaced_job(namespace).items
+    return sorted(
+        (api.sanitize_for_serialization(item) for item in items),
+        key=lambda j: str(j["metadata"]["name"]),
+    )
