@@ -128,7 +128,11 @@ def choose_container(pod_spec: Manifest, wanted: str | None) -> Manifest | Refus
         )
     if len(containers) == 1:
         return containers[0]
-    running_vllm = [c for c in containers if is_vllm_command(c.get("command"), c.get("args"))]
+    running_vllm = [
+        c
+        for c in containers
+        if is_vllm_command(c.get("command"), c.get("args"), image=c.get("image"))
+    ]
     if len(running_vllm) == 1:
         return running_vllm[0]
     return Refusal(
