@@ -8,6 +8,7 @@ by kwok with a success message.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from typing import Any
 
@@ -295,7 +296,7 @@ def test_kubectl_shows_ready_reason_and_tp(
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
     table = subprocess.run(
         [str(binaries.tool_path("kubectl")), "get", "shm", "-n", namespace, "-o", "wide"],
-        env={"KUBECONFIG": str(cluster.admin_kubeconfig)},
+        env={**os.environ, "KUBECONFIG": str(cluster.admin_kubeconfig)},
         capture_output=True,
         text=True,
         check=True,
