@@ -142,6 +142,8 @@ def test_serialize_job() -> None:
                                 KEY,
                                 "--scratch-dir",
                                 "/var/run/preshard/scratch",
+                                "--scratch-size-limit",
+                                "500Gi",
                                 "--encryption-keyfile",
                                 "/var/run/preshard/encryption/key",
                                 "--endpoint",

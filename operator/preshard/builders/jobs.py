@@ -81,6 +81,7 @@ def build_serialize_job(job: JobInput) -> Manifest:
     spec, settings, shard_set = job.spec, job.settings, job.shard_set
     serialization = spec.serialization
     gpu = serialization.gpu_resource_name or settings.gpu_resource_name
+    scratch_size = serialization.scratch_size or settings.scratch_size
     args = [
         SERIALIZE,
         "--model",
@@ -102,6 +103,9 @@ def build_serialize_job(job: JobInput) -> Manifest:
         shard_set.artifact_key,
         "--scratch-dir",
         SCRATCH_DIR,
+        # An emptyDir's free space reads as the node's disk; the sizeLimit is the real bound.
+        "--scratch-size-limit",
+        scratch_size,
         *(["--encryption-keyfile", ENCRYPTION_KEYFILE] if spec.encryption else []),
         *s3_args(spec.storage),
     ]
@@ -123,7 +127,6 @@ def build_serialize_job(job: JobInput) -> Manifest:
     if serialization.memory:
         requests["memory"] = serialization.memory
         limits["memory"] = serialization.memory
-    scratch_size = serialization.scratch_size or settings.scratch_size
     mounts: list[Manifest] = [
         {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR},
         {"name": SHM_VOLUME, "mountPath": "/dev/shm"},  # noqa: S108 - the pod's shm mount

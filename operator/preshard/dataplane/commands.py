@@ -1,0 +1,174 @@
+"""`preshard verify`, `fetch-config` and `delete`: the small commands around a shard set."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from preshard import reasons
+from preshard.dataplane.download import PARTIAL_SUFFIX, local_path, stream_sha256
+from preshard.dataplane.errors import DataplaneError, classify_s3_error
+from preshard.dataplane.logs import human_bytes, logger
+from preshard.dataplane.s3 import list_sizes, require_prefix
+from preshard.dataplane.shardset import CheckedSet, check_shard_set, deep_check
+from preshard.dataplane.upload import abort_incomplete_uploads
+from preshard.layout import MANIFEST_NAME, S3Location
+from preshard.manifest import ManifestFile
+from preshard.outcome import Outcome
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+# S3's limit of keys in one DeleteObjects request.
+DELETE_BATCH: Final = 1000
+DELETE_PASSES: Final = 3
+CHECK_CONCURRENCY: Final = 8
+
+
+def _summary(command: str, reason: str, message: str, checked: CheckedSet) -> Outcome:
+    manifest = checked.manifest
+    return Outcome.model_validate(
+        {
+            "command": command,
+            "ok": True,
+            "reason": reason,
+            "message": message,
+            "uri": checked.location.uri,
+            "artifactKey": manifest.artifact_key,
+            "tensorParallelSize": manifest.tensor_parallel_size,
+            "totalBytes": manifest.total_bytes,
+            "files": len(manifest.files),
+            "vllmVersion": manifest.vllm_version,
+            "tensorizerVersion": manifest.tensorizer_version,
+            "encrypted": manifest.encrypted,
+        }
+    )
+
+
+def verify(
+    client: S3Client,
+    location: S3Location,
+    *,
+    tensor_parallel_size: int,
+    artifact_key: str | None,
+    deep: bool,
+) -> Outcome:
+    """Check that the shard set at `location` is complete for `tensor_parallel_size`."""
+    require_prefix(location, "verify")
+    checked = check_shard_set(
+        client, location, tensor_parallel_size=tensor_parallel_size, artifact_key=artifact_key
+    )
+    if deep:
+        deep_check(client, checked, concurrency=CHECK_CONCURRENCY)
+    manifest = checked.manifest
+    how = "sizes and sha256" if deep else "sizes"
+    message = (
+        f"complete: {len(manifest.files)} files, {human_bytes(manifest.total_bytes)}, "
+        f"TP {manifest.tensor_parallel_size} ({how} checked)"
+    )
+    logger().info("%s is %s", location.uri, message)
+    return _summary("verify", reasons.VERIFIED, message, checked)
+
+
+def fetch_config(client: S3Client, location: S3Location, directory: Path) -> Outcome:
+    """Copy the non-weight files of a complete shard set into `directory`, sha256-checked."""
+    require_prefix(location, "fetch-config")
+    checked = check_shard_set(client, location, tensor_parallel_size=None)
+    configs = checked.manifest.config_files
+    directory.mkdir(parents=True, exist_ok=True)
+    targets = {entry.name: local_path(directory, entry.name) for entry in configs}
+
+    def fetch(entry: ManifestFile) -> None:
+        target = targets[entry.name]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + PARTIAL_SUFFIX)
+        try:
+            sha, size = stream_sha256(client, location, entry.name, target=partial)
+            if sha != entry.sha256 or size != entry.size:
+                raise DataplaneError(
+                    reasons.HASH_MISMATCH,
+                    f"{entry.name} under {location.uri} does not match its manifest entry",
+                )
+            partial.replace(target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                partial.unlink()
+
+    with concurrent.futures.ThreadPoolExecutor(CHECK_CONCURRENCY) as pool:
+        for future in [pool.submit(fetch, entry) for entry in configs]:
+            future.result()
+    total = sum(entry.size for entry in configs)
+    message = f"copied {len(configs)} config files ({human_bytes(total)}) into {directory}"
+    logger().info("%s", message)
+    outcome = _summary("fetch-config", reasons.CONFIG_FETCHED, message, checked)
+    return outcome.model_copy(update={"files": len(configs), "total_bytes": total})
+
+
+def delete(client: S3Client, location: S3Location) -> Outcome:
+    """Remove one shard set: its manifest first, then every object under `prefix/`."""
+    require_prefix(location, "delete")
+    try:
+        listing = list_sizes(client, location)
+    except DataplaneError as exc:
+        if exc.reason != reasons.BUCKET_NOT_FOUND:
+            raise
+        return Outcome(
+            command="delete",
+            ok=True,
+            reason=reasons.DELETED,
+            message=f"the bucket of {location.uri} does not exist; nothing to delete",
+            uri=location.uri,
+            files=0,
+        )
+    # Unconditionally: a manifest written after the LIST must not outlive its files.
+    _delete_keys(client, location, [MANIFEST_NAME])
+    abort_incomplete_uploads(client, location)
+    removed, removed_bytes = len(listing), sum(listing.values())
+    remaining = {n: s for n, s in listing.items() if n != MANIFEST_NAME}
+    for _ in range(DELETE_PASSES):
+        if not remaining:
+            break
+        _delete_keys(client, location, sorted(remaining))
+        remaining = list_sizes(client, location)
+        removed += len(remaining)
+        removed_bytes += sum(remaining.values())
+    if remaining:
+        raise DataplaneError(
+            reasons.INTERNAL_ERROR,
+            f"objects keep appearing under {location.uri}; is a serializer still writing?",
+        )
+    message = f"deleted {removed} objects ({human_bytes(removed_bytes)}) under {location.uri}"
+    logger().info("%s", message)
+    return Outcome.model_validate(
+        {
+            "command": "delete",
+            "ok": True,
+            "reason": reasons.DELETED,
+            "message": message,
+            "uri": location.uri,
+            "files": removed,
+            "totalBytes": removed_bytes,
+        }
+    )
+
+
+def _delete_keys(client: S3Client, location: S3Location, names: list[str]) -> None:
+    for start in range(0, len(names), DELETE_BATCH):
+        batch = names[start : start + DELETE_BATCH]
+        try:
+            response = client.delete_objects(
+                Bucket=location.bucket,
+                Delete={"Objects": [{"Key": location.key(n)} for n in batch], "Quiet": True},
+            )
+        except Exception as exc:
+            raise classify_s3_error(exc, f"deleting objects under {location.uri}") from exc
+        errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        if errors:
+            codes = sorted({str(e.get("Code")) for e in errors})
+            reason = reasons.ACCESS_DENIED if "AccessDenied" in codes else reasons.INTERNAL_ERROR
+            raise DataplaneError(
+                reason,
+                f"could not delete {len(errors)} objects under {location.uri} ({', '.join(codes)})",
+            )
