@@ -1,0 +1,127 @@
+"""Start, watch and stop the local processes of the test environment."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class DevEnvError(RuntimeError):
+    """A step of the local environment failed; the message says which and how to fix it."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Process:
+    """One child process with its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    stop_timeout: float = 15.0
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def pid(self) -> int:
+        """The process id (also the process group id: each child leads its own group)."""
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        """Whether the process is still running."""
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of the process's log, for error messages."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM, wait, then SIGKILL: always by this process's own pid and group."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pid, signal.SIGKILL)
+                self.popen.wait(timeout=10)
+
+
+def start(
+    name: str,
+    argv: Sequence[str],
+    log_dir: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    stop_timeout: float = 15.0,
+) -> Process:
+    """Start a process in its own session, its output appended to `<log_dir>/<name>.log`."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            start_new_session=True,
+        )
+    return Process(name=name, popen=popen, log_path=log_path, stop_timeout=stop_timeout)
+
+
+def wait_until(
+    check: Callable[[], bool],
+    *,
+    timeout: float,
+    what: str,
+    process: Process | None = None,
+    interval: float = 0.2,
+) -> None:
+    """Poll `check` until it is true; fail with the process's log if it dies or times out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and not process.alive():
+            raise DevEnvError(
+                f"{process.name} exited with code {process.popen.returncode} while waiting "
+                f"for {what}; the end of {process.log_path}:\n{process.log_tail()}"
+            )
+        if check():
+            return
+        time.sleep(interval)
+    tail = f"; the end of {process.log_path}:\n{process.log_tail()}" if process else ""
+    raise DevEnvError(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
+
+
+def http_ok(url: str, *, context: ssl.SSLContext | None = None) -> bool:
+    """Whether a GET of `url` answers 2xx (connection errors count as no)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=context) as response:  # noqa: S310 - loopback URLs only
+            return 200 <= int(response.status) < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False

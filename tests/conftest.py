@@ -1,0 +1,134 @@
+"""Session-wide fixtures: the real S3 server and the real control plane.
+
+Every fixture here owns the processes it starts and stops them by pid, also when a test fails
+or the run is interrupted (try/finally, plus an atexit guard in `LocalCluster`). Each test
+session gets its own temporary directories and free ports, so two runs on one machine do not
+collide.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+import pytest
+from kubernetes import client as k8s
+
+from preshard.devenv import binaries
+from preshard.devenv.controlplane import LocalCluster
+from preshard.devenv.procs import DevEnvError
+from preshard.devenv.s3server import S3Server, start_s3_server
+from tests.support.podrunner import PodRunner
+from tests.support.s3 import S3Bucket, create_bucket
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Turn SIGTERM (a cancelled CI job, `timeout`) into an interrupt, so fixtures tear down
+    and stop their processes instead of leaving them running."""
+
+    def interrupt(signum: int, _: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"received signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build missing cluster binaries before the first test, outside any test's timeout."""
+    if session.config.option.collectonly:
+        return
+    if not any("cluster" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    def say(message: str) -> None:
+        if reporter is not None:
+            reporter.write_line(message)
+
+    try:
+        binaries.ensure_all(log=say)
+    except DevEnvError as error:
+        pytest.exit(f"the local cluster's binaries are missing and could not be built: {error}")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A SeaweedFS S3 server on loopback with one random key pair, for the whole session."""
+    server = start_s3_server(Path(tmp_path_factory.mktemp("s3")))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_bucket(s3_server: S3Server) -> S3Bucket:
+    """A bucket created for this test session."""
+    return create_bucket(s3_server, f"preshard-test-{secrets.token_hex(4)}")
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The test process's environment pointed at the S3 server (credentials, endpoint, region)."""
+    env = s3_server.env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A local control plane (etcd, kube-apiserver, controllers, scheduler, kwok and the test
+    nodes) for the whole session."""
+    local = LocalCluster(Path(tmp_path_factory.mktemp("cluster")))
+    try:
+        local.start()
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="session")
+def kube_api(cluster: LocalCluster) -> Iterator[k8s.ApiClient]:
+    """An API client acting as the cluster admin (`system:masters`)."""
+    with cluster.api_client() as api:
+        yield api
+
+
+@pytest.fixture
+def namespace(kube_api: k8s.ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test, deleted afterwards without waiting."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"t-{slug}-{secrets.token_hex(3)}"
+    core = k8s.CoreV1Api(kube_api)
+    core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name)))
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name, propagation_policy="Background")
+
+
+@pytest.fixture(scope="session")
+def pod_runner(
+    cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PodRunner]:
+    """The kubelet of node `preshard-runner`: runs the pods bound there as local processes.
+
+    Containers get `PYTHONPATH` set to the project root (so `tests.support` modules import);
+    tests add what else their containers need to `pod_runner.extra_env`.
+    """
+    runner = PodRunner(
+        cluster.admin_kubeconfig,
+        Path(tmp_path_factory.mktemp("pods")),
+        extra_env={"PYTHONPATH": str(_ROOT)},
+    )
+    try:
+        runner.start()
+        yield runner
+    finally:
+        runner.stop()

@@ -1,0 +1,179 @@
+"""Helpers tests use to talk to the local cluster: waiting, reading Job pods, faking kubelets."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from preshard.devenv import nodes
+from preshard.devenv.kubeconfig import api_client
+
+T = TypeVar("T")
+
+GPU_NODES = nodes.GPU_NODES
+MANUAL_NODE = nodes.MANUAL_NODE
+RUNNER_NODE = nodes.RUNNER_NODE
+GPU_RESOURCE = nodes.GPU_RESOURCE
+
+
+def now() -> str:
+    """The current time as Kubernetes writes it."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def api_for(kubeconfig: Path) -> k8s.ApiClient:
+    """An API client that acts as the kubeconfig's user."""
+    return api_client(kubeconfig)
+
+
+def wait_for(
+    check: Callable[[], T | None],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.2,
+    what: str = "the condition",
+) -> T:
+    """Poll `check` until it returns something truthy, and return that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def toleration(node_kind: str) -> dict[str, str]:
+    """The toleration for a tainted test node (`manual` or `runner`)."""
+    return {
+        "key": nodes.TEST_NODE_LABEL,
+        "operator": "Equal",
+        "value": node_kind,
+        "effect": "NoSchedule",
+    }
+
+
+def on_node(node_kind: str) -> dict[str, Any]:
+    """Pod spec fields that place a pod on a test node kind (`auto`, `manual` or `runner`)."""
+    spec: dict[str, Any] = {"nodeSelector": {nodes.TEST_NODE_LABEL: node_kind}}
+    if node_kind != "auto":
+        spec["tolerations"] = [toleration(node_kind)]
+    return spec
+
+
+def job_pods(api: k8s.ApiClient, namespace: str, job: str) -> list[Any]:
+    """The pods of a Job, oldest first."""
+    pods = k8s.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=f"job-name={job}")
+    return sorted(pods.items, key=lambda p: p.metadata.creation_timestamp)
+
+
+def job_condition(api: k8s.ApiClient, namespace: str, job: str) -> str | None:
+    """`Complete` or `Failed` once the Job has finished, else None."""
+    status = k8s.BatchV1Api(api).read_namespaced_job_status(job, namespace).status
+    for condition in (status.conditions if status else None) or []:
+        if condition.type in ("Complete", "Failed") and condition.status == "True":
+            return str(condition.type)
+    return None
+
+
+def wait_for_job(api: k8s.ApiClient, namespace: str, job: str, *, timeout: float = 60.0) -> str:
+    """Wait until a Job has finished; returns `Complete` or `Failed`."""
+    return wait_for(
+        lambda: job_condition(api, namespace, job),
+        timeout=timeout,
+        what=f"Job {namespace}/{job} to finish",
+    )
+
+
+def wait_for_pod(
+    api: k8s.ApiClient,
+    namespace: str,
+    name: str,
+    check: Callable[[Any], bool],
+    *,
+    timeout: float = 60.0,
+    what: str = "the pod",
+) -> Any:
+    """Poll a pod until `check(pod)` holds; returns the pod."""
+    core = k8s.CoreV1Api(api)
+
+    def current() -> Any:
+        try:
+            pod = core.read_namespaced_pod(name, namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return pod if check(pod) else None
+
+    return wait_for(current, timeout=timeout, what=f"{what} ({namespace}/{name})")
+
+
+def termination_message(pod: Any, container: str | None = None) -> str | None:
+    """The termination message of a pod's container (its first one by default)."""
+    for status in pod.status.container_statuses or []:
+        if container is not None and status.name != container:
+            continue
+        terminated = status.state.terminated if status.state else None
+        return terminated.message if terminated else None
+    return None
+
+
+def complete_pod(
+    api: k8s.ApiClient,
+    pod: Any,
+    exit_code: int,
+    message: str | None,
+    reason: str | None = None,
+) -> None:
+    """Write a pod's terminal status as a kubelet would: every container terminated with
+    `exit_code` (reason `Completed` or `Error` unless given) and `message`, phase
+    Succeeded or Failed. Meant for pods on `kwok-manual-0`, which kwok leaves Running."""
+    stamp = now()
+    meta = pod.metadata
+    started = pod.status.start_time if pod.status and pod.status.start_time else None
+    started_at = started.strftime("%Y-%m-%dT%H:%M:%SZ") if started else stamp
+    terminated: dict[str, Any] = {
+        "exitCode": exit_code,
+        "reason": reason or ("Completed" if exit_code == 0 else "Error"),
+        "startedAt": started_at,
+        "finishedAt": stamp,
+    }
+    if message is not None:
+        terminated["message"] = message
+    statuses = [
+        {
+            "name": container.name,
+            "image": container.image or "",
+            "imageID": "",
+            "ready": False,
+            "started": False,
+            "restartCount": 0,
+            "state": {"terminated": terminated},
+        }
+        for container in pod.spec.containers
+    ]
+    not_ready = {"status": "False", "reason": "PodCompleted", "lastTransitionTime": stamp}
+    body = {
+        "status": {
+            "phase": "Succeeded" if exit_code == 0 else "Failed",
+            "containerStatuses": statuses,
+            "conditions": [
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp},
+                {"type": "Initialized", "status": "True", "lastTransitionTime": stamp},
+                {"type": "Ready", **not_ready},
+                {"type": "ContainersReady", **not_ready},
+            ],
+        }
+    }
+    # A merge patch replaces the lists whole, so no running state from kwok survives.
+    k8s.CoreV1Api(api).patch_namespaced_pod_status(
+        meta.name, meta.namespace, body, _content_type="application/merge-patch+json"
+    )
