@@ -42,7 +42,7 @@ format: $(STAMP) ## Format and fix what ruff can.
 
 crds: $(STAMP) ## Regenerate the CRD (crds/ and the chart) from the Pydantic models.
 	$(BIN)/python -m preshard.api.crd > crds/shardedmodels.preshard.dev.yaml
-	cp crds/shardedmodels.preshard.dev.yaml charts/preshard/crds/shardedmodels.preshard.dev.yaml
+	cp crds/shardedmodels.preshard.dev.yaml charts/preshard/files/crds/shardedmodels.preshard.dev.yaml
 
 test: $(STAMP) ## The test suite: unit, data plane, control plane, Helm, end to end.
 	$(BIN)/pytest

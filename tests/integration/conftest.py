@@ -27,12 +27,12 @@ def crd(kube_api: k8s.ApiClient) -> None:
     install_crd(kube_api)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def operator(
     cluster: LocalCluster, crd: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    """`preshard run` as the cluster admin, for the whole session. A test that stops or kills
-    it starts it again before it ends."""
+    """`preshard run` as the cluster admin, cluster-wide, for one test module. Module scope
+    keeps it from outliving its tests: two operators must never reconcile the same objects."""
     process = OperatorProcess(
         cluster.admin_kubeconfig, tmp_path_factory.mktemp("operator"), env=OPERATOR_ENV
     )

@@ -108,6 +108,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     )
     # Events are posted by the reconciler on transitions; kopf's own log lines are not events.
     settings.posting.level = logging.WARNING
+    # The resources are known in advance; scanning CRDs and namespaces would need RBAC the
+    # operator deliberately lacks (and kopf retries the refusals for a minute at start-up).
+    settings.scanning.disabled = True
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 8

@@ -1,0 +1,455 @@
+"""What the chart's tests share: helm and kubectl runners, rendered-manifest lookups, and the
+operator started exactly the way the chart's Deployment starts it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, cast
+
+import yaml
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from preshard.api import models
+from preshard.devenv import procs
+from tests.support.cluster import wait_for
+
+ROOT: Final = Path(__file__).resolve().parents[2]
+CHART: Final = ROOT / "charts" / "preshard"
+CHART_CRD: Final = CHART / "files" / "crds" / "shardedmodels.preshard.dev.yaml"
+CRD_SOURCE: Final = ROOT / "crds" / "shardedmodels.preshard.dev.yaml"
+CRD_NAME: Final = "shardedmodels.preshard.dev"
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion); renders must work there.
+KUBE_VERSION: Final = "1.31.0"
+LIVENESS_FLAG: Final = "--liveness="
+SECURE_NAMESPACE_LABELS: Final = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
+
+CREDENTIALS_SECRET: Final = "s3-credentials"
+MODEL_ID: Final = "org/model"
+
+Manifest = dict[str, Any]
+
+
+class ToolError(AssertionError):
+    """A helm or kubectl command failed; the message has its stderr."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A command-line tool run with a clean environment of its own (no user configuration)."""
+
+    binary: Path
+    home: Path
+    kubeconfig: Path | None = None
+
+    def env(self) -> dict[str, str]:
+        """The environment of every run: PATH, a private HOME and Helm directories, KUBECONFIG."""
+        env = {
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": str(self.home),
+            "HELM_CACHE_HOME": str(self.home / "cache"),
+            "HELM_CONFIG_HOME": str(self.home / "config"),
+            "HELM_DATA_HOME": str(self.home / "data"),
+        }
+        if self.kubeconfig is not None:
+            env["KUBECONFIG"] = str(self.kubeconfig)
+        return env
+
+    def as_user(self, kubeconfig: Path) -> Tool:
+        """The same tool acting with another kubeconfig."""
+        return Tool(self.binary, self.home, kubeconfig)
+
+    def run(
+        self, *args: str, check: bool = True, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the tool; with `check`, a non-zero exit raises `ToolError` with its stderr."""
+        result = subprocess.run(
+            [str(self.binary), *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise ToolError(
+                f"{self.binary.name} {' '.join(args[:2])} exited with {result.returncode}:\n"
+                f"{result.stderr.strip()}"
+            )
+        return result
+
+
+def template(
+    helm: Tool,
+    *args: str,
+    chart: Path = CHART,
+    release: str = "preshard",
+    namespace: str = "preshard-system",
+) -> list[Manifest]:
+    """`helm template` of the chart, parsed: every non-empty document."""
+    output = helm.run(
+        "template",
+        release,
+        str(chart),
+        "--namespace",
+        namespace,
+        "--kube-version",
+        KUBE_VERSION,
+        *args,
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(output) if doc]
+
+
+def template_error(helm: Tool, *args: str) -> str:
+    """`helm template` that must fail; returns its stderr."""
+    result = helm.run(
+        "template", "preshard", str(CHART), "--kube-version", KUBE_VERSION, *args, check=False
+    )
+    assert result.returncode != 0, f"helm template {' '.join(args)} should have failed"
+    return result.stderr
+
+
+def of_kind(manifests: Iterable[Manifest], kind: str) -> list[Manifest]:
+    """The manifests of one kind, in order."""
+    return [m for m in manifests if m.get("kind") == kind]
+
+
+def one(manifests: Iterable[Manifest], kind: str) -> Manifest:
+    """The only manifest of a kind."""
+    found = of_kind(manifests, kind)
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def operator_container(deployment: Manifest) -> Manifest:
+    """The operator container of the chart's Deployment."""
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["operator"]
+    container: Manifest = containers[0]
+    return container
+
+
+def container_env(container: Manifest) -> dict[str, str]:
+    """A container's plain environment variables (the API server drops empty values)."""
+    env: dict[str, str] = {}
+    for variable in container.get("env") or []:
+        assert "valueFrom" not in variable, f"{variable['name']} is not a plain value"
+        env[variable["name"]] = variable.get("value", "")
+    return env
+
+
+def copy_chart(target: Path, *, version: str) -> Path:
+    """A copy of the chart with another version, as an earlier release of it would be."""
+    shutil.copytree(CHART, target)
+    chart_file = target / "Chart.yaml"
+    metadata = yaml.safe_load(chart_file.read_text())
+    metadata["version"] = version
+    chart_file.write_text(yaml.safe_dump(metadata, sort_keys=False))
+    return target
+
+
+@dataclass
+class Operator:
+    """`preshard run` as a local process, started with the args and environment of the chart's
+    Deployment and acting with the chart's ServiceAccount (its kubeconfig).
+
+    Only the liveness address changes: the chart's binds 0.0.0.0:8080, this one a free port on
+    loopback.
+    """
+
+    deployment: Manifest
+    kubeconfig: Path
+    work_dir: Path
+    name: str = "operator"
+    process: procs.Process | None = field(default=None, init=False)
+
+    def argv(self, liveness_url: str) -> list[str]:
+        """The container's command (resolved to this environment's entrypoint) and args."""
+        container = operator_container(self.deployment)
+        command = list(container.get("command") or [])
+        assert command == ["preshard"], f"the chart runs the preshard entrypoint: {command}"
+        entrypoint = Path(sys.executable).parent / command[0]
+        assert entrypoint.is_file(), f"{entrypoint} is not installed"
+        args = list(container.get("args") or [])
+        liveness = [i for i, arg in enumerate(args) if arg.startswith(LIVENESS_FLAG)]
+        assert len(liveness) == 1, f"the chart's args set the liveness endpoint once: {args}"
+        args[liveness[0]] = LIVENESS_FLAG + liveness_url
+        return [str(entrypoint), *args]
+
+    def env(self) -> dict[str, str]:
+        """The container's environment, the ServiceAccount's kubeconfig, and nothing else."""
+        home = self.work_dir / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        return {
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": str(home),
+            "PYTHONUNBUFFERED": "1",
+            "KUBECONFIG": str(self.kubeconfig),
+            **container_env(operator_container(self.deployment)),
+        }
+
+    def start(self, *, timeout: float = 30.0) -> Operator:
+        """Start the operator and wait until its liveness endpoint answers."""
+        url = f"http://127.0.0.1:{procs.free_port()}/healthz"
+        self.process = procs.start(
+            self.name, self.argv(url), self.work_dir, env=self.env(), cwd=self.work_dir
+        )
+        try:
+            procs.wait_until(
+                lambda: procs.http_ok(url),
+                timeout=timeout,
+                what=f"the operator's liveness endpoint {url}",
+                process=self.process,
+            )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the operator by its own pid."""
+        if self.process is not None:
+            self.process.stop()
+
+    def running(self) -> bool:
+        """Whether the operator process is alive."""
+        return self.process is not None and self.process.alive()
+
+    def log(self) -> str:
+        """Everything the operator has logged."""
+        if self.process is None:
+            return ""
+        return self.process.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the operator's log, for failure messages."""
+        return self.process.log_tail(lines) if self.process is not None else ""
+
+    def __enter__(self) -> Operator:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def can_i(kubectl: Tool, verb: str, resource: str, *scope: str) -> bool:
+    """`kubectl auth can-i` as the tool's user: whether the API server allows it.
+
+    `resource` may name a subresource (`pods/log`); kubectl would read that as an object name.
+    """
+    kind, _, subresource = resource.partition("/")
+    extra = ["--subresource", subresource] if subresource else []
+    result = kubectl.run("auth", "can-i", verb, kind, *extra, *scope, check=False)
+    answer = result.stdout.strip()
+    assert answer in ("yes", "no"), f"kubectl auth can-i answered {answer!r}: {result.stderr}"
+    return answer == "yes"
+
+
+def rules_of(role: Manifest) -> list[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
+    """A role's rules as (apiGroups, resources, verbs) tuples, for exact comparison."""
+    return [
+        (tuple(rule["apiGroups"]), tuple(rule["resources"]), tuple(rule["verbs"]))
+        for rule in role["rules"]
+    ]
+
+
+@dataclass(frozen=True)
+class Release:
+    """An installed release of the chart."""
+
+    name: str
+    namespace: str
+
+    @property
+    def service_account(self) -> str:
+        """The operator's ServiceAccount: the full name, which is the release name here."""
+        return self.name
+
+    def of(self, chart: Path) -> list[str]:
+        """The arguments of `helm install|upgrade` that put `chart` into this release."""
+        return [self.name, str(chart), "--namespace", self.namespace]
+
+    def deployment(self, api: k8s.ApiClient) -> Manifest:
+        """The operator's Deployment as the API server stores it."""
+        return deployment(api, self.namespace, self.name)
+
+
+def adopt_crd(api: k8s.ApiClient, release: Release) -> None:
+    """Hand an existing ShardedModel CRD to a release, the way Helm documents adoption.
+
+    The test session's cluster is shared with suites that may have created the CRD directly;
+    Helm refuses to install over an object that carries no ownership of its own.
+    """
+    extensions = k8s.ApiextensionsV1Api(api)
+    try:
+        extensions.read_custom_resource_definition(CRD_NAME)
+    except ApiException as error:
+        if error.status == 404:
+            return
+        raise
+    extensions.patch_custom_resource_definition(
+        CRD_NAME,
+        {
+            "metadata": {
+                "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                "annotations": {
+                    "meta.helm.sh/release-name": release.name,
+                    "meta.helm.sh/release-namespace": release.namespace,
+                },
+            }
+        },
+    )
+
+
+def vllm_deployment(name: str) -> Manifest:
+    """A vLLM Deployment as users write them: `vllm serve <model>`, one GPU-less replica."""
+    labels = {"app": name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "vllm",
+                            "image": "vllm/vllm-openai:v0.34.0",
+                            "command": ["vllm", "serve"],
+                            "args": [MODEL_ID],
+                        }
+                    ]
+                },
+            },
+        },
+    }
+
+
+def sharded_model(name: str, *, target: str, revision: str) -> Manifest:
+    """A ShardedModel of one TP-2 shard set for one target Deployment."""
+    return {
+        "apiVersion": f"{models.GROUP}/{models.VERSION}",
+        "kind": models.KIND,
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"id": MODEL_ID, "revision": revision},
+            "storage": {
+                "uri": "s3://models/shards",
+                "endpoint": "https://s3.example.com",
+                "credentialsSecretRef": {"name": CREDENTIALS_SECRET},
+            },
+            "tensorParallelSizes": [2],
+            "targets": [{"name": target}],
+        },
+    }
+
+
+def create_workload(
+    api: k8s.ApiClient, namespace: str, name: str, *, target: str, revision: str
+) -> None:
+    """Create a target Deployment and its ShardedModel (and the credentials Secret the Jobs and
+    the patched pods reference; nothing here reads it)."""
+    core = k8s.CoreV1Api(api)
+    try:
+        core.create_namespaced_secret(
+            namespace,
+            k8s.V1Secret(
+                metadata=k8s.V1ObjectMeta(name=CREDENTIALS_SECRET),
+                string_data={
+                    "AWS_ACCESS_KEY_ID": "test-access-key",
+                    "AWS_SECRET_ACCESS_KEY": "test-secret-key",
+                },
+            ),
+        )
+    except ApiException as error:
+        if error.status != 409:
+            raise
+    k8s.AppsV1Api(api).create_namespaced_deployment(
+        namespace, k8s.V1Deployment.model_validate(vllm_deployment(target))
+    )
+    k8s.CustomObjectsApi(api).create_namespaced_custom_object(
+        models.GROUP,
+        models.VERSION,
+        namespace,
+        models.PLURAL,
+        sharded_model(name, target=target, revision=revision),
+    )
+
+
+def get_sharded_model(api: k8s.ApiClient, namespace: str, name: str) -> Manifest | None:
+    """A ShardedModel, or None once it is gone."""
+    try:
+        found = k8s.CustomObjectsApi(api).get_namespaced_custom_object(
+            models.GROUP, models.VERSION, namespace, models.PLURAL, name
+        )
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return cast(Manifest, found)
+
+
+def is_ready(resource: Manifest | None) -> bool:
+    """Whether a ShardedModel's Ready condition is True."""
+    conditions = ((resource or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def wait_ready(
+    api: k8s.ApiClient, namespace: str, name: str, operator: Operator, *, timeout: float = 60.0
+) -> Manifest:
+    """Wait until a ShardedModel is Ready; the failure shows its status and the operator's log."""
+
+    def ready() -> Manifest | None:
+        if not operator.running():
+            raise AssertionError(f"the operator exited; its log:\n{operator.log_tail()}")
+        found = get_sharded_model(api, namespace, name)
+        return found if is_ready(found) else None
+
+    try:
+        return wait_for(
+            ready,
+            timeout=timeout,
+            interval=0.25,
+            what=f"ShardedModel {namespace}/{name} to be Ready",
+        )
+    except TimeoutError as error:
+        status = (get_sharded_model(api, namespace, name) or {}).get("status")
+        raise AssertionError(
+            f"{error}\nstatus: {status}\noperator log:\n{operator.log_tail()}"
+        ) from None
+
+
+def deployment(api: k8s.ApiClient, namespace: str, name: str) -> Manifest:
+    """A Deployment as the plain dict the API server sends."""
+    found = k8s.AppsV1Api(api).read_namespaced_deployment(name, namespace)
+    # The client's serializer has no type annotations.
+    plain: Manifest = api.sanitize_for_serialization(found)  # type: ignore[no-untyped-call]
+    return plain
+
+
+def forbidden_requests(log: str, *expected: str) -> list[str]:
+    """Log lines about forbidden API requests, except those naming an `expected` resource."""
+    return [
+        line
+        for line in log.splitlines()
+        if "forbidden" in line.lower() and not any(resource in line for resource in expected)
+    ]
