@@ -8,8 +8,8 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard.devenv.controlplane import LocalCluster
+from preshard.devenv.demo import install_crd
 from tests.support.operator import OperatorProcess
-from tests.support.shardedmodels import install_crd
 
 # Short back-offs keep retries inside a test's patience.
 OPERATOR_ENV = {

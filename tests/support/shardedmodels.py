@@ -3,41 +3,13 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
-import yaml
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
 from tests.support.cluster import wait_for
-
-ROOT = Path(__file__).resolve().parents[2]
-CRD_PATH = ROOT / "crds" / "shardedmodels.preshard.dev.yaml"
-
-
-def install_crd(api: k8s.ApiClient) -> None:
-    """Create (or replace) the ShardedModel CRD and wait until it is served."""
-    extensions = k8s.ApiextensionsV1Api(api)
-    manifest = yaml.safe_load(CRD_PATH.read_text())
-    name = manifest["metadata"]["name"]
-    try:
-        extensions.create_custom_resource_definition(manifest)
-    except ApiException as error:
-        if error.status != 409:
-            raise
-        current = extensions.read_custom_resource_definition(name)
-        manifest["metadata"]["resourceVersion"] = current.metadata.resource_version
-        extensions.replace_custom_resource_definition(name, manifest)
-
-    def established() -> bool:
-        status = extensions.read_custom_resource_definition(name).status
-        return any(
-            c.type == "Established" and c.status == "True" for c in (status.conditions or [])
-        )
-
-    wait_for(established, timeout=30, what="the ShardedModel CRD to be established")
 
 
 def create(api: k8s.ApiClient, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:

@@ -361,6 +361,24 @@ def test_unreachable_store_backs_off_and_retries() -> None:
     assert retry["metadata"]["name"].endswith("-verify-2")
 
 
+def test_a_serialization_cut_off_from_the_store_is_run_again_a_few_times() -> None:
+    world = World()
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    world.step()
+    for run in (1, 2):
+        world.finish(world.only_set().job, failed("serialize", reasons.UNREACHABLE, "down"))
+        result = world.step()
+        assert result.create_jobs == []
+        assert world.only_set().stage == "Serializing"
+        world.now += timedelta(minutes=10)
+        (again,) = world.step().create_jobs
+        assert again["metadata"]["name"].endswith(f"-serialize-{run + 1}")
+    world.finish(world.only_set().job, failed("serialize", reasons.UNREACHABLE, "down"))
+    world.step()
+    assert (world.only_set().stage, world.only_set().reason) == ("Failed", reasons.UNREACHABLE)
+
+
 def test_a_missing_secret_is_reported_while_the_job_waits() -> None:
     world = World()
     world.step()

@@ -49,6 +49,11 @@ TRANSIENT: Final = frozenset(
         reasons.EVICTED,
     }
 )
+# A serialization that failed because the store went away is started again after a back-off
+# (the upload resumes what is there), up to this many runs in all; other failures need a
+# spec change or the retry annotation.
+SERIALIZE_RETRIED: Final = frozenset({reasons.UNREACHABLE, reasons.EVICTED})
+SERIALIZE_RUNS: Final = 3
 MESSAGE_LIMIT: Final = 1024
 
 EventType = Literal["Normal", "Warning"]
@@ -214,9 +219,10 @@ class _Planner:
         if entry.job is not None:
             return self._follow(entry, shard_set)
         due = parse_time(entry.next_check)
-        if entry.stage in ("Probing", "Verifying", "Verified") and due is not None:
+        if entry.stage in ("Probing", "Serializing", "Verifying", "Verified") and due is not None:
             if self.now >= due:
-                return self._start(entry, shard_set, jobs.VERIFY)
+                kind = jobs.SERIALIZE if entry.stage == "Serializing" else jobs.VERIFY
+                return self._start(entry, shard_set, kind)
             self.plan.wake_at(due, self.now)
         return entry
 
@@ -296,6 +302,8 @@ class _Planner:
                 }
             )
             return self._start(entry, shard_set, jobs.VERIFY)
+        if outcome.reason in SERIALIZE_RETRIED and entry.serialize_run < SERIALIZE_RUNS:
+            return self._back_off(entry, outcome)
         return self._fail(entry, outcome.reason, outcome.message)
 
     def _deleted(

@@ -6,6 +6,9 @@
     status [--state-dir DIR] show what runs
     build                    build and cache every binary; print their paths
     tool-path NAME           print one cached binary's path (kubectl, helm, ...), building it
+    run-operator             run the operator against the current kube context; without one,
+                             start the local environment first, install the CRD, and run it
+                             there (what `make run` does)
 
 The state directory defaults to `.devenv/` in the current directory.
 """
@@ -17,7 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from preshard.devenv import background, binaries
+from preshard.devenv import background, binaries, demo
+from preshard.devenv.kubeconfig import api_client
 from preshard.devenv.procs import DevEnvError
 
 
@@ -59,6 +63,30 @@ def _build(_: argparse.Namespace) -> int:
     return 0
 
 
+def _run_operator(args: argparse.Namespace) -> int:
+    if demo.has_kube_context():
+        _err("using the current kube context (unset KUBECONFIG to run on a local cluster)")
+        demo.require_crd(None)
+        demo.exec_operator(None)
+    state, _ = background.up(args.state_dir, log=_err)
+    kubeconfig = Path(state.kubeconfig)
+    with api_client(kubeconfig) as api:
+        demo.install_crd(api)
+    example = demo.write_example(args.state_dir.resolve(), state)
+    print("A local cluster with fake GPU nodes and an S3 server is running:")
+    print("\n".join(f"  {line}" for line in background.status_lines(state)))
+    print("\nIn another terminal, create a ShardedModel and watch it become Ready:")
+    print("\n".join(f"  {line}" for line in background.exports(state)))
+    print(f"  kubectl apply -f {example}")
+    print("  kubectl get shm -w")
+    print(
+        "\nkwok plays the kubelet there: the Jobs complete without running, so this shows the"
+        "\ncontroller's side. Stop the environment with `make dev-cluster-down`.\n",
+        flush=True,
+    )
+    demo.exec_operator(kubeconfig)
+
+
 def _tool_path(args: argparse.Namespace) -> int:
     print(binaries.tool_path(args.tool, log=_err))
     return 0
@@ -75,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("up", _up, "start the cluster and the S3 server in the background"),
         ("down", _down, "stop what `up` started"),
         ("status", _status, "show what runs (exit code 1 if anything is down)"),
+        (
+            "run-operator",
+            _run_operator,
+            "run the operator on the current kube context, or on a local one started first",
+        ),
     ):
         command = commands.add_parser(name, help=text, description=text)
         command.add_argument(
