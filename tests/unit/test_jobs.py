@@ -304,7 +304,7 @@ def test_minimal_spec_uses_settings_defaults() -> None:
     verify = build_verify_job(job_input(spec))
     assert "--deep" in verify["spec"]["template"]["spec"]["containers"][0]["args"]
     assert verify["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
-    assert verify["spec"]["template"]["spec"]["containers"][0]["env"] == []
+    assert "env" not in verify["spec"]["template"]["spec"]["containers"][0]
 
 
 def test_gpu_resource_name_from_spec() -> None:

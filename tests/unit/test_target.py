@@ -312,6 +312,27 @@ def test_server_defaults_do_not_look_like_drift() -> None:
     assert managed_view(defaulted, "vllm") == managed_view(patched, "vllm")
 
 
+def as_stored(value: Any) -> Any:
+    """What the API server keeps of a manifest: empty lists are dropped (omitempty)."""
+    if isinstance(value, dict):
+        return {k: as_stored(v) for k, v in value.items() if v != []}
+    if isinstance(value, list):
+        return [as_stored(v) for v in value]
+    return value
+
+
+def test_a_patched_deployment_as_stored_needs_no_further_write() -> None:
+    without_credentials = target_input({"storage": {"uri": "s3://models/shards"}})
+    source = deployment()
+    source["spec"]["template"]["spec"]["containers"][0].pop("env")
+    patched = build_patched_deployment(source, without_credentials)
+    assert isinstance(patched, dict)
+    stored = as_stored(patched)
+    again = build_patched_deployment(stored, without_credentials)
+    assert isinstance(again, dict)
+    assert managed_view(again, "vllm") == managed_view(stored, "vllm")
+
+
 def test_rollout_text_and_completion() -> None:
     item = deployment()
     item["status"] = {"observedGeneration": 3, "updatedReplicas": 3, "replicas": 3}

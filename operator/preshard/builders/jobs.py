@@ -222,7 +222,6 @@ def _tools_job(
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["preshard"],
         "args": args,
-        "env": s3_env(spec.storage),
         "resources": TOOLS_RESOURCES,
         "securityContext": {
             "runAsNonRoot": True,
@@ -232,6 +231,9 @@ def _tools_job(
         },
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    env = s3_env(spec.storage)
+    if env:
+        container["env"] = env
     pod_spec: Manifest = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,

@@ -253,7 +253,10 @@ def input_hash(original: Manifest, target: TargetInput, load: TensorizerLoad) ->
 
 
 def managed_view(deployment: Manifest, container_name: str | None) -> Manifest:
-    """Only the fields preshard manages: two Deployments equal here need no write."""
+    """Only the fields preshard manages: two Deployments equal here need no write.
+
+    Empty lists count as absent, as the API server stores them.
+    """
     annotations = annotations_of(deployment)
     pod_spec: Manifest = deployment.get("spec", {}).get("template", {}).get("spec", {})
     containers = {c.get("name"): c for c in pod_spec.get("containers") or []}
@@ -273,7 +276,7 @@ def managed_view(deployment: Manifest, container_name: str | None) -> Manifest:
         ],
         "init": None
         if init is None
-        else {k: init.get(k) for k in ("image", "command", "args", "env", "volumeMounts")},
+        else {k: init.get(k) or None for k in ("image", "command", "args", "env", "volumeMounts")},
         "volumes": [v for v in pod_spec.get("volumes") or [] if v.get("name") in OWNED_VOLUMES],
     }
 
@@ -351,7 +354,7 @@ def _apply_container(container: Manifest, target: TargetInput) -> None:
     # tensorizer refuses a plain-http endpoint passed as an argument; boto3 reads this one.
     if spec.storage.endpoint:
         env.append({"name": "AWS_ENDPOINT_URL_S3", "value": spec.storage.endpoint})
-    container["env"] = env
+    _set_or_drop(container, "env", env or None)
     mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in OWNED_VOLUMES]
     mounts.append({"name": MODEL_VOLUME, "mountPath": target.settings.model_dir, "readOnly": True})
     if spec.encryption is not None:
@@ -372,7 +375,6 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
             settings.model_dir,
             *s3_args(spec.storage),
         ],
-        "env": s3_env(spec.storage),
         "resources": INIT_RESOURCES,
         "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": settings.model_dir}],
         "securityContext": {
@@ -382,6 +384,7 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
         },
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    _set_or_drop(init_container, "env", s3_env(spec.storage) or None)
     init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != INIT_CONTAINER]
     pod_spec["initContainers"] = [*init, init_container]
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in OWNED_VOLUMES]
