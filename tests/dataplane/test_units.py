@@ -26,6 +26,7 @@ from preshard.dataplane.source import select_files
 from preshard.dataplane.upload import MAX_PARTS, MIB, crc32_header, part_size_for
 from preshard.dataplane.vllm_engine import build_engine_kwargs, build_tensorizer_kwargs
 from preshard.dataplane.vllm_worker import EXTENSION_QUALNAME
+from preshard.outcome import Outcome, exit_code
 from tests.support import engine
 
 
@@ -289,3 +290,17 @@ def test_other_sizes_are_refused(text: str) -> None:
         parse_size(text, "--part-size")
 
     assert caught.value.reason == reasons.INVALID_ARGUMENTS
+
+
+def test_an_unknown_flag_still_ends_with_an_outcome(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv("PRESHARD_TERMINATION_LOG", str(log))
+    code = main(["verify", "s3://bucket/set/", "--tensor-parallel-size", "2", "--no-such-flag"])
+    assert code == exit_code(reasons.INVALID_ARGUMENTS)
+    outcome = Outcome.from_message(log.read_text())
+    assert outcome is not None
+    assert (outcome.command, outcome.reason) == ("verify", reasons.INVALID_ARGUMENTS)
+    assert "--no-such-flag" in outcome.message
+    assert capsys.readouterr().out.strip() == log.read_text()

@@ -367,6 +367,27 @@ def _run(
         return exit_code(outcome.reason)
 
 
+DATAPLANE_COMMANDS: Final = ("serialize", "verify", "fetch-config", "delete")
+
+
+def report_usage_error(command: Command, problem: str) -> int:
+    """End a run whose command line does not parse the way every run ends: with an outcome.
+
+    The flags did not parse, so the outcome goes where `PRESHARD_TERMINATION_LOG` (or the
+    default) says.
+    """
+    outcome = Outcome(
+        command=command,
+        ok=False,
+        reason=reasons.INVALID_ARGUMENTS,
+        message=logs.redact(f"invalid command line: {problem}")[:_MESSAGE_LIMIT],
+    )
+    message = outcome.to_message()
+    _write_termination_log(None, message)
+    print(message, flush=True)
+    return exit_code(outcome.reason)
+
+
 def _write_termination_log(flag: str | None, message: str) -> None:
     path = Path(flag or os.environ.get(TERMINATION_LOG_ENV) or DEFAULT_TERMINATION_LOG)
     try:
