@@ -10,13 +10,13 @@ import yaml
 
 from preshard.api import crd
 from preshard.api.models import (
-    RESERVED_ENGINE_ARGS,
     InvalidSpecError,
     LabelSelector,
     ShardedModelSpec,
     parse_spec,
 )
 from preshard.api.status import ShardedModelStatus
+from preshard.engine_args import RESERVED_ENGINE_ARGS
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / "shardedmodels.preshard.dev.yaml"

@@ -22,6 +22,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from preshard.engine_args import RESERVED_ENGINE_ARGS
 from preshard.layout import S3_URI_PATTERN
 
 GROUP: Final = "preshard.dev"
@@ -33,28 +34,6 @@ SHORT_NAMES: Final = ("shm",)
 
 # Tensor-parallel sizes vLLM can shard attention heads over on one node.
 TENSOR_PARALLEL_SIZES: Final = (1, 2, 4, 8, 16)
-
-# Engine flags preshard sets itself; a user may not override them through extraEngineArgs.
-RESERVED_ENGINE_ARGS: Final = frozenset(
-    {
-        "model",
-        "tokenizer",
-        "revision",
-        "tokenizer_revision",
-        "code_revision",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "data_parallel_size",
-        "load_format",
-        "model_loader_extra_config",
-        "dtype",
-        "max_model_len",
-        "served_model_name",
-        "download_dir",
-        "distributed_executor_backend",
-        "config",
-    }
-)
 
 QUANTITY_PATTERN: Final = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"

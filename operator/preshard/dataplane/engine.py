@@ -3,7 +3,7 @@
 `preshard serialize` prepares the model directory and the scratch volume, calls an `Engine`,
 then uploads what it wrote. Production uses vLLM (`preshard.dataplane.vllm_engine`); tests
 plug in a CPU engine through `PRESHARD_ENGINE=module:attribute`. This module imports nothing
-heavy, so the controller can use `RESERVED_ENGINE_ARGS` and `parse_engine_args` to validate a
+heavy, so the controller can use `parse_engine_args` to validate a
 spec before any Job runs.
 """
 
@@ -19,6 +19,7 @@ from typing import Final, Protocol, TypeAlias, runtime_checkable
 
 from preshard import reasons
 from preshard.dataplane.errors import DataplaneError
+from preshard.engine_args import RESERVED_ENGINE_ARGS
 from preshard.layout import RANK_FILE_TEMPLATE
 
 ENGINE_ENV: Final = "PRESHARD_ENGINE"
@@ -26,39 +27,6 @@ DEFAULT_ENGINE: Final = "preshard.dataplane.vllm_engine:VllmEngine"
 
 # vLLM's `ModelDType` choices.
 DTYPES: Final = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32"})
-
-# `EngineArgs` fields preshard sets itself: the model and its revision, the parallel layout
-# the shard files are cut for, how weights are loaded and where they come from, the worker
-# classes, and credentials (never accepted as arguments).
-RESERVED_ENGINE_ARGS: Final = frozenset(
-    {
-        "model",
-        "model_weights",
-        "tokenizer",
-        "hf_config_path",
-        "revision",
-        "code_revision",
-        "tokenizer_revision",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "data_parallel_size",
-        "data_parallel_size_local",
-        "data_parallel_rank",
-        "data_parallel_start_rank",
-        "prefill_context_parallel_size",
-        "decode_context_parallel_size",
-        "nnodes",
-        "node_rank",
-        "load_format",
-        "dtype",
-        "max_model_len",
-        "model_loader_extra_config",
-        "download_dir",
-        "worker_cls",
-        "worker_extension_cls",
-        "hf_token",
-    }
-)
 
 EngineArgValue: TypeAlias = str | int | float | bool | list[str | int | float | bool | None] | None
 
