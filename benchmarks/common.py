@@ -1,0 +1,199 @@
+"""What every benchmark shares: timing, process usage, tables and result files.
+
+The machines that run these benchmarks are shared and noisy, so each benchmark measures its
+baselines in the same run and reports ratios to them; the result file records the machine, its
+load before and after, and the commit, so two runs can be compared with care.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+RESULTS_DIR: Final = ROOT / "benchmarks" / "results"
+MIB: Final = 1024 * 1024
+GB: Final = 1000**3
+
+Cell = str | int | float | None
+
+
+def utc_now() -> str:
+    """The current time in UTC, ISO 8601 with seconds."""
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+class Stopwatch:
+    """Seconds on the monotonic clock since it was made or last restarted."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    def restart(self) -> None:
+        """Count from now."""
+        self.started = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the start."""
+        return time.perf_counter() - self.started
+
+
+def best_of(repeats: int, action: Callable[[], object]) -> float:
+    """The shortest of `repeats` timed calls of `action`, in seconds.
+
+    The best run is the one least disturbed by other work on the machine; `action` must itself
+    wait for any asynchronous work it starts (a device copy, a thread pool).
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
+    times = []
+    for _ in range(repeats):
+        watch = Stopwatch()
+        action()
+        times.append(watch.elapsed)
+    return min(times)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """`numerator / denominator`, or None when either is missing or the denominator is 0."""
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+@dataclass(frozen=True)
+class ProcessUsage:
+    """What a process has used so far, read from `/proc` (Linux)."""
+
+    cpu_seconds: float
+    """User plus system CPU time of every thread."""
+    rss_bytes: int
+    """Resident memory now."""
+    peak_rss_bytes: int
+    """The highest resident memory since the process started (`VmHWM`)."""
+
+
+def process_usage(pid: int) -> ProcessUsage:
+    """CPU time and resident memory of a running process."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # The command name (field 2) may hold spaces and parentheses; the fields after it do not.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = (int(fields[11]) + int(fields[12])) / ticks
+    memory: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            memory[key] = int(value.split()[0]) * 1024
+    return ProcessUsage(
+        cpu_seconds=cpu, rss_bytes=memory.get("VmRSS", 0), peak_rss_bytes=memory.get("VmHWM", 0)
+    )
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages."""
+    return [round(value, 2) for value in os.getloadavg()]
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a result was measured on, and how busy it was."""
+    cpu_model = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.partition(":")[2].strip()
+                break
+    memory_bytes = None
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory_bytes = int(line.split()[1]) * 1024
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": cpu_model,
+        "cpus": len(os.sched_getaffinity(0)),
+        "memory_gib": round(memory_bytes / 1024**3, 1) if memory_bytes else None,
+        "load_average": load_average(),
+        "git": git_revision(),
+    }
+
+
+def git_revision() -> dict[str, Any] | None:
+    """The commit the benchmark ran from and whether the work tree had changes."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        changes = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {"commit": commit, "dirty": bool(changes)}
+
+
+def write_result(
+    name: str, results: Any, *, path: Path | None = None, started: str | None = None
+) -> Path:
+    """Write `results` with the time and the machine to `benchmarks/results/<name>.json`."""
+    target = path or RESULTS_DIR / f"{name}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "benchmark": name,
+        "started": started,
+        "finished": utc_now(),
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        "machine": machine_info(),
+        "results": results,
+    }
+    target.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
+    return target
+
+
+def _cell(value: Cell) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Cell]]) -> str:
+    """A plain-text table: text left-aligned, numbers right-aligned, `-` for missing values."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    numeric = [
+        all(isinstance(row[i], int | float) or row[i] is None for row in rows) and bool(rows)
+        for i in range(len(headers))
+    ]
+    widths = [max([len(h), *(len(row[i]) for row in cells)]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            v.rjust(w) if right else v.ljust(w)
+            for v, w, right in zip(values, widths, numeric, strict=True)
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(row) for row in cells)])
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Cell]]) -> None:
+    """Print a titled table to stdout."""
+    print(f"\n{title}\n{format_table(headers, rows)}", flush=True)

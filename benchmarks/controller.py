@@ -1,0 +1,1119 @@
+"""The controller at scale: N ShardedModels on a real control plane, against the cluster's floor.
+
+For each size N, in a fresh local cluster (etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler and kwok fake nodes):
+
+1. N vLLM-style Deployments exist (`vllm serve org/model-<i>`, `replicas: 0`); the operator
+   (`preshard run`, cluster-wide as the Helm chart runs it) starts and lists them.
+2. Apply: a pool of API clients creates N ShardedModels at once. The operator probes each shard
+   set with a verify Job; kwok completes the Job's pod about a second after it starts, with
+   the outcome `verify ok`, so the set is "already serialized", the Deployment is patched and
+   the ShardedModel turns Ready.
+3. Measured from the start of apply: all Jobs created, all Jobs complete, all Ready, and the
+   operator's last write (settled); the operator's peak RSS and CPU time; its API requests by
+   verb and resource. kube-apiserver's `apiserver_request_total` has no user label, so the
+   operator runs as its own user and the API server's audit log, written for that user only,
+   tells its requests apart (with their response codes); the metric gives every client's
+   requests beside them.
+4. Idle: `--idle-seconds` with nothing to do. Every operator request in that window counts;
+   the target is no write at all.
+5. Baseline: with the operator stopped, the same pool of clients creates the same N verify Jobs
+   directly. The time until all complete is the floor this cluster sets on this machine in
+   this run, and `Ready / baseline` the operator's cost over that floor.
+
+Why `replicas: 0`: the operator never touches replicas, and a running vLLM pod per model would
+measure the scheduler and kwok (1000 pods asking for GPUs the fake nodes would need to hold)
+rather than the controller. The Deployment controller still rolls each patched template out (a
+new ReplicaSet, a status update), so the operator sees the Deployment events it would see in
+production, minus those of the pods.
+
+Why `--kube-api-qps`: kube-controller-manager's controllers each talk to the API server at 20
+requests per second by default, and the Job controller spends about six requests on a Job that
+runs one pod (create the pod, three status updates, two events): about 3.4 Jobs a second, 300 s
+for 1000 Jobs, whatever the operator does. The benchmark raises that limit (and the
+scheduler's) by default so the floor is this machine, not a client-side rate limiter; 0 keeps
+Kubernetes' defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Final, cast
+
+import urllib3
+from kubernetes import client as k8s
+from kubernetes import watch
+from kubernetes.client.exceptions import ApiException
+from tests.support import shardedmodels as shm
+from tests.support.operator import OperatorProcess
+
+from benchmarks import common
+from preshard.api import models
+from preshard.builders import jobs
+from preshard.builders.common import Owner, ShardSet
+from preshard.devenv import nodes, procs
+from preshard.devenv.controlplane import LocalCluster
+from preshard.devenv.demo import install_crd
+from preshard.identity import artifact_key
+from preshard.settings import Settings
+
+NAME: Final = "controller"
+# kube-apiserver's only per-user metric (`authenticated_user_requests`) names a few well-known
+# users and folds every other into `other`. Running the operator as `admin` makes its request
+# count readable from /metrics too, a cross-check of the audit log.
+OPERATOR_USER: Final = "admin"
+NAMESPACE: Final = "models"
+BASELINE_NAMESPACE: Final = "baseline"
+TENSOR_PARALLEL_SIZE: Final = 2
+REPLICAS: Final = 0
+WATCH_SECONDS: Final = 5
+POLL_SECONDS: Final = 0.25
+STARTUP_QUIET_SECONDS: Final = 3.0
+STARTUP_TIMEOUT_SECONDS: Final = 120.0
+WRITE_VERBS: Final = frozenset({"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION", "APPLY"})
+
+# The targets this benchmark checks.
+READY_TARGET_SECONDS: Final = 300.0
+PEAK_RSS_TARGET_MIB: Final = 300.0
+WRITES_PER_RESOURCE_TARGET: Final = 5.0
+
+# Audit verbs as `apiserver_request_total` spells them, so both tables read alike.
+_AUDIT_VERBS: Final = {
+    "create": "POST",
+    "update": "PUT",
+    "patch": "PATCH",
+    "delete": "DELETE",
+    "deletecollection": "DELETECOLLECTION",
+    "get": "GET",
+    "list": "LIST",
+    "watch": "WATCH",
+}
+_SAMPLE: Final = re.compile(
+    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>.*)\}\s+(?P<value>\S+)"
+)
+_LABEL: Final = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_LOG_LEVEL: Final = re.compile(r"\[(ERROR|WARNING|CRITICAL)\s*\]")
+
+Log = Callable[[str], None]
+RequestKey = tuple[str, str]
+
+
+def _say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def resource_name(resource: str, group: str, subresource: str) -> str:
+    """A resource as kubectl names it (`jobs.batch`, `shardedmodels.preshard.dev/status`)."""
+    name = f"{resource}.{group}" if group else resource
+    return f"{name}/{subresource}" if subresource else name
+
+
+# The cluster and its audit log --------------------------------------------------------------
+
+
+class BenchmarkCluster(LocalCluster):
+    """A local cluster with extra flags for some of its components."""
+
+    def __init__(self, work_dir: Path, extra_args: Mapping[str, Sequence[str]]) -> None:
+        super().__init__(work_dir)
+        self._extra_args = {name: list(args) for name, args in extra_args.items()}
+
+    def _start(self, name: str, argv: list[str], **kwargs: Any) -> procs.Process:
+        # LocalCluster takes no extra component flags, so they join the argv here; a restarted
+        # API server passes its argv again, hence only the flags it does not have yet.
+        extra = [arg for arg in self._extra_args.get(name, ()) if arg not in argv]
+        return super()._start(name, [*argv, *extra], **kwargs)
+
+
+def component_args(audit_dir: Path, user: str, qps: int) -> dict[str, list[str]]:
+    """API server flags that audit `user` (writing the policy file), and the client limits
+    of kube-controller-manager and kube-scheduler (`qps` 0: their defaults)."""
+    audit_dir.mkdir(parents=True, exist_ok=True)
+    policy = audit_dir / "policy.json"
+    policy.write_text(json.dumps(audit_policy(user)))
+    args = {
+        "kube-apiserver": [
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={audit_dir / 'audit.log'}",
+            "--audit-log-format=json",
+            "--audit-log-maxsize=0",
+        ]
+    }
+    if qps > 0:
+        limits = [f"--kube-api-qps={qps}", f"--kube-api-burst={2 * qps}"]
+        args["kube-controller-manager"] = limits
+        args["kube-scheduler"] = limits
+    return args
+
+
+def audit_policy(user: str) -> dict[str, Any]:
+    """One line per request of `user` when it completes (metadata only), nothing for others."""
+    return {
+        "apiVersion": "audit.k8s.io/v1",
+        "kind": "Policy",
+        "omitStages": ["RequestReceived", "ResponseStarted"],
+        "rules": [{"level": "Metadata", "users": [user]}, {"level": "None"}],
+    }
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of the audited user."""
+
+    at: float
+    """When it arrived (wall clock)."""
+    verb: str
+    resource: str
+    code: int
+
+    @property
+    def write(self) -> bool:
+        """Whether it asked to change something."""
+        return self.verb in WRITE_VERBS
+
+
+def parse_audit_event(line: str) -> Request | None:
+    """A request from one audit log line (None for a line that is not a completed request)."""
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if event.get("kind") != "Event" or event.get("stage") not in ("ResponseComplete", "Panic"):
+        return None
+    verb = str(event.get("verb", ""))
+    ref = event.get("objectRef")
+    if ref and ref.get("resource"):
+        resource = resource_name(
+            ref["resource"], ref.get("apiGroup", ""), ref.get("subresource", "")
+        )
+    else:
+        resource = str(event.get("requestURI", "")).split("?")[0]
+    return Request(
+        at=datetime.fromisoformat(event["requestReceivedTimestamp"]).timestamp(),
+        verb=_AUDIT_VERBS.get(verb, verb.upper()),
+        resource=resource,
+        code=int((event.get("responseStatus") or {}).get("code", 0)),
+    )
+
+
+class AuditLog:
+    """The audit log, read as it grows."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.requests: list[Request] = []
+        self._offset = 0
+
+    def poll(self) -> None:
+        """Read the complete lines written since the last poll."""
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as log:
+            log.seek(self._offset)
+            data = log.read()
+        end = data.rfind(b"\n")
+        if end < 0:
+            return
+        for line in data[:end].decode(errors="replace").splitlines():
+            request = parse_audit_event(line)
+            if request is not None:
+                self.requests.append(request)
+        self._offset += end + 1
+
+    def last(self, *, writes_only: bool) -> float | None:
+        """When the latest request (or write) arrived."""
+        moments = [r.at for r in self.requests if r.write or not writes_only]
+        return max(moments) if moments else None
+
+    def window(self, start: float, end: float) -> list[Request]:
+        """The requests that arrived in `[start, end)`."""
+        return [r for r in self.requests if start <= r.at < end]
+
+    def wait_quiet(
+        self, quiet: float, timeout: float, *, writes_only: bool, since: float
+    ) -> float | None:
+        """Wait until no request (or write) arrived for `quiet` seconds; returns the time of
+        the last one after `since` (or `since` when there was none), None on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.poll()
+            last = max(self.last(writes_only=writes_only) or since, since)
+            if time.time() - last >= quiet:
+                return last
+            time.sleep(POLL_SECONDS)
+        return None
+
+
+def count_requests(requests: Iterable[Request]) -> Counter[RequestKey]:
+    """Requests by (verb, resource)."""
+    return Counter((r.verb, r.resource) for r in requests)
+
+
+def count_refused(requests: Iterable[Request]) -> Counter[RequestKey]:
+    """Requests the API server refused, by (verb, resource with the HTTP code)."""
+    return Counter((r.verb, f"{r.resource} ({r.code})") for r in requests if r.code >= 400)
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Counters read from kube-apiserver's /metrics."""
+
+    requests: dict[RequestKey, float]
+    """`apiserver_request_total` summed over codes and versions: every client's requests."""
+    operator_requests: float
+    """`authenticated_user_requests{username="admin"}`: the operator's requests."""
+
+
+def parse_metrics(text: str) -> MetricsSnapshot:
+    """The counters this benchmark reads, from the Prometheus text format."""
+    requests: dict[RequestKey, float] = {}
+    operator = 0.0
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        labels = dict(_LABEL.findall(match["labels"]))
+        value = float(match["value"])
+        if match["name"] == "apiserver_request_total":
+            resource = (
+                resource_name(labels["resource"], labels.get("group", ""), labels["subresource"])
+                if labels.get("resource")
+                else "(non-resource)"
+            )
+            key = (labels.get("verb", ""), resource)
+            requests[key] = requests.get(key, 0.0) + value
+        elif match["name"] == "authenticated_user_requests" and labels["username"] == OPERATOR_USER:
+            operator += value
+    return MetricsSnapshot(requests=requests, operator_requests=operator)
+
+
+def scrape_metrics(cluster: LocalCluster) -> MetricsSnapshot:
+    """GET /metrics as the cluster admin."""
+    with urllib.request.urlopen(  # noqa: S310 - the local API server's https URL
+        f"{cluster.server}/metrics", timeout=30, context=cluster.ssl_context()
+    ) as response:
+        return parse_metrics(response.read().decode())
+
+
+def metrics_delta(after: MetricsSnapshot, before: MetricsSnapshot) -> Counter[RequestKey]:
+    """Every client's requests between two snapshots."""
+    delta: Counter[RequestKey] = Counter()
+    for key, value in after.requests.items():
+        grown = round(value - before.requests.get(key, 0.0))
+        if grown > 0:
+            delta[key] = grown
+    return delta
+
+
+# Following Jobs and ShardedModels -----------------------------------------------------------
+
+
+@dataclass
+class Observations:
+    """When each Job and ShardedModel reached each state, by wall-clock time."""
+
+    job_created: dict[str, float] = field(default_factory=dict)
+    job_done: dict[str, float] = field(default_factory=dict)
+    job_failed: set[str] = field(default_factory=set)
+    ready_at: dict[str, float] = field(default_factory=dict)
+    ready_now: set[str] = field(default_factory=set)
+    reasons: dict[str, str] = field(default_factory=dict)
+    ready_lost: int = 0
+    changes: list[float] = field(default_factory=list)
+
+
+class Watcher:
+    """Follows the Jobs (and optionally ShardedModels) of one namespace through watch streams."""
+
+    def __init__(self, cluster: LocalCluster, namespace: str, *, models_too: bool) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.seen = Observations()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(
+                target=self._follow, args=("batch", "v1", "jobs", self._on_job), daemon=True
+            )
+        ]
+        if models_too:
+            self._threads.append(
+                threading.Thread(
+                    target=self._follow,
+                    args=(models.GROUP, models.VERSION, models.PLURAL, self._on_model),
+                    daemon=True,
+                )
+            )
+
+    def start(self) -> Watcher:
+        """Start following."""
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop following (waits for the current watch request to end)."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=WATCH_SECONDS + 10)
+
+    def snapshot(self) -> Observations:
+        """A copy of what was seen so far."""
+        with self._lock:
+            return copy.deepcopy(self.seen)
+
+    def count(self, what: Callable[[Observations], int]) -> int:
+        """One number from what was seen so far, without copying it."""
+        with self._lock:
+            return what(self.seen)
+
+    def _follow(
+        self, group: str, version: str, plural: str, handle: Callable[[dict[str, Any]], None]
+    ) -> None:
+        with self.cluster.api_client() as api:
+            custom = k8s.CustomObjectsApi(api)
+            version_seen: str | None = None
+            while not self._stop.is_set():
+                try:
+                    if version_seen is None:
+                        listing = cast(
+                            dict[str, Any],
+                            custom.list_namespaced_custom_object(
+                                group, version, self.namespace, plural
+                            ),
+                        )
+                        for item in listing["items"]:
+                            handle(item)
+                        version_seen = listing["metadata"]["resourceVersion"]
+                    # The watch helper has no type annotations.
+                    stream = watch.Watch()  # type: ignore[no-untyped-call]
+                    for event in stream.stream(  # type: ignore[no-untyped-call]
+                        custom.list_namespaced_custom_object,
+                        group,
+                        version,
+                        self.namespace,
+                        plural,
+                        resource_version=version_seen,
+                        timeout_seconds=WATCH_SECONDS,
+                        deserialize=False,
+                    ):
+                        item = event["object"]
+                        handle(item)
+                        version_seen = item["metadata"]["resourceVersion"]
+                        if self._stop.is_set():
+                            stream.stop()  # type: ignore[no-untyped-call]
+                except (ApiException, urllib3.exceptions.HTTPError, OSError):
+                    # Expired (410) or the connection dropped: list again and carry on.
+                    version_seen = None
+                    self._stop.wait(0.5)
+
+    def _on_job(self, job: dict[str, Any]) -> None:
+        now = time.time()
+        name = job["metadata"]["name"]
+        with self._lock:
+            self.seen.job_created.setdefault(name, now)
+            for condition in (job.get("status") or {}).get("conditions") or []:
+                if condition.get("status") != "True":
+                    continue
+                if condition.get("type") == "Complete":
+                    self.seen.job_done.setdefault(name, now)
+                elif condition.get("type") == "Failed":
+                    self.seen.job_failed.add(name)
+                    self.seen.job_done.setdefault(name, now)
+
+    def _on_model(self, resource: dict[str, Any]) -> None:
+        now = time.time()
+        name = resource["metadata"]["name"]
+        ready = shm.condition(resource, "Ready")
+        with self._lock:
+            self.seen.changes.append(now)
+            if ready is not None:
+                self.seen.reasons[name] = str(ready.get("reason", ""))
+            if ready is not None and ready.get("status") == "True":
+                self.seen.ready_at.setdefault(name, now)
+                self.seen.ready_now.add(name)
+            elif name in self.seen.ready_now:
+                self.seen.ready_now.discard(name)
+                self.seen.ready_lost += 1
+
+
+# The workload -------------------------------------------------------------------------------
+
+
+def model_name(index: int) -> str:
+    """The i-th ShardedModel's name."""
+    return f"model-{index}"
+
+
+def deployment_name(index: int) -> str:
+    """The i-th target Deployment's name."""
+    return f"vllm-{index}"
+
+
+def vllm_container(index: int) -> dict[str, Any]:
+    """A vLLM container as people write it: `vllm serve org/model-<i>`."""
+    container = copy.deepcopy(shm.VLLM_CONTAINER)
+    container["args"] = [f"org/model-{index}"]
+    return container
+
+
+def model_spec(index: int) -> dict[str, Any]:
+    """A ShardedModel spec with one TP size and one target Deployment."""
+    return {
+        "model": {"id": f"org/model-{index}", "revision": "main"},
+        "storage": {
+            "uri": "s3://models/shards",
+            "endpoint": "http://s3.storage:8333",
+            "credentialsSecretRef": {"name": "s3"},
+        },
+        "tensorParallelSizes": [TENSOR_PARALLEL_SIZE],
+        "targets": [{"name": deployment_name(index)}],
+    }
+
+
+def plain_verify_job(index: int, namespace: str, settings: Settings) -> dict[str, Any]:
+    """The verify Job the operator would create for the i-th model, without an owner."""
+    spec = models.parse_spec(model_spec(index))
+    image = spec.serialization.image or settings.serializer_image
+    key = artifact_key(spec, TENSOR_PARALLEL_SIZE, namespace=namespace, serializer_image=image)
+    owner = Owner(name=model_name(index), namespace=namespace, uid="")
+    manifest = jobs.build_verify_job(
+        jobs.JobInput(
+            owner=owner,
+            spec=spec,
+            shard_set=ShardSet.for_spec(spec, TENSOR_PARALLEL_SIZE, key),
+            settings=settings,
+            run=1,
+        )
+    )
+    # Without a ShardedModel to own it, an owner reference would get it garbage-collected.
+    del manifest["metadata"]["ownerReferences"]
+    return manifest
+
+
+def in_parallel(
+    cluster: LocalCluster,
+    count: int,
+    action: Callable[[k8s.ApiClient, int], object],
+    workers: int,
+) -> float:
+    """Call `action(api, i)` for every i below `count` from `workers` threads, each with its own
+    API client; returns the seconds it took."""
+
+    def work(first: int) -> None:
+        with cluster.api_client() as api:
+            for index in range(first, count, workers):
+                action(api, index)
+
+    stopwatch = common.Stopwatch()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for future in [pool.submit(work, w) for w in range(min(workers, count))]:
+            future.result()
+    return stopwatch.elapsed
+
+
+def create_namespace(api: k8s.ApiClient, name: str) -> None:
+    """Create a namespace."""
+    k8s.CoreV1Api(api).create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name)))
+
+
+def add_kwok_nodes(api: k8s.ApiClient, pods: int) -> list[str]:
+    """Enough kwok GPU nodes besides the cluster's own that `pods` pods fit at once, so node
+    capacity never limits the measurement; returns the new nodes' names."""
+    template = next(m for m in nodes.manifests() if m["metadata"]["name"] == nodes.GPU_NODES[0])
+    per_node = int(nodes.CAPACITY["pods"])
+    extra = max(0, math.ceil(pods / per_node) - len(nodes.GPU_NODES))
+    names = [f"kwok-bench-{i}" for i in range(extra)]
+    core = k8s.CoreV1Api(api)
+    for name in names:
+        manifest = copy.deepcopy(template)
+        manifest["metadata"]["name"] = name
+        manifest["metadata"]["labels"]["kubernetes.io/hostname"] = name
+        core.create_node(k8s.V1Node.model_validate(manifest))
+
+    def all_ready() -> bool:
+        for name in names:
+            status = core.read_node(name).status
+            conditions = (status.conditions if status else None) or []
+            if not any(c.type == "Ready" and c.status == "True" for c in conditions):
+                return False
+        return True
+
+    wait_until(all_ready, timeout=60, what="kwok to make the extra nodes Ready")
+    return names
+
+
+def wait_until(check: Callable[[], bool], *, timeout: float, what: str) -> None:
+    """Poll `check` until it holds; `TimeoutError` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(POLL_SECONDS)
+
+
+# One size -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to run every size."""
+
+    idle_seconds: float
+    quiet_seconds: float
+    timeout_seconds: float
+    workers: int
+    kube_api_qps: int
+
+
+@dataclass
+class Checkpoint:
+    """The operator's and the cluster's counters at one moment."""
+
+    at: float
+    usage: common.ProcessUsage
+    cpu: dict[str, float]
+    metrics: MetricsSnapshot
+
+    @classmethod
+    def take(cls, cluster: LocalCluster, pid: int) -> Checkpoint:
+        """Read every counter now."""
+        cpu: dict[str, float] = {}
+        for name, process in cluster.processes.items():
+            with contextlib.suppress(OSError):
+                cpu[name] = common.process_usage(process.pid).cpu_seconds
+        return cls(
+            at=time.time(),
+            usage=common.process_usage(pid),
+            cpu=cpu,
+            metrics=scrape_metrics(cluster),
+        )
+
+
+@dataclass
+class Run:
+    """What one operator run went through, from apply to the end of the idle window."""
+
+    size: int
+    apply_s: float
+    converged: bool
+    settled_at: float | None
+    before: Checkpoint
+    after_converge: Checkpoint
+    after_idle: Checkpoint
+    seen: Observations
+    changes_before_idle: int
+
+
+def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any]:
+    """Everything measured for one size, in a cluster of its own."""
+    cluster = BenchmarkCluster(
+        work / "cluster",
+        component_args(work / "audit", OPERATOR_USER, options.kube_api_qps),
+    )
+    load_before = common.load_average()
+    stopwatch = common.Stopwatch()
+    cluster.start()
+    cluster_start_s = stopwatch.elapsed
+    say(f"N={size}: cluster up in {cluster_start_s:.1f}s")
+    try:
+        with cluster.api_client() as admin:
+            install_crd(admin)
+            extra_nodes = add_kwok_nodes(admin, size)
+            create_namespace(admin, NAMESPACE)
+            create_namespace(admin, BASELINE_NAMESPACE)
+        deployments_s = in_parallel(
+            cluster,
+            size,
+            lambda api, i: shm.create_deployment(
+                api, NAMESPACE, deployment_name(i), container=vllm_container(i), replicas=REPLICAS
+            ),
+            options.workers,
+        )
+        say(f"N={size}: {size} Deployments in {deployments_s:.1f}s, {len(extra_nodes)} more nodes")
+        audit = AuditLog(work / "audit" / "audit.log")
+        operator = OperatorProcess(
+            cluster.user_kubeconfig(OPERATOR_USER, ["system:masters"]), work / "operator"
+        )
+        stopwatch.restart()
+        operator.start()
+        try:
+            if (
+                audit.wait_quiet(
+                    STARTUP_QUIET_SECONDS,
+                    STARTUP_TIMEOUT_SECONDS,
+                    writes_only=False,
+                    since=time.time(),
+                )
+                is None
+            ):
+                raise RuntimeError("the operator kept sending requests after it started")
+            startup_s = stopwatch.elapsed
+            say(f"N={size}: operator listening and quiet after {startup_s:.1f}s")
+            assert operator.process is not None
+            run = drive(cluster, operator.process.pid, audit, size, options, say)
+        finally:
+            operator.stop()
+        # Watch requests are logged when they end: some only ended with the operator.
+        audit.poll()
+        say(f"N={size}: baseline: {size} verify Jobs without the operator")
+        baseline = run_baseline(cluster, size, options, say)
+    finally:
+        cluster.stop()
+    result = summarize(run, audit, baseline, operator.log())
+    return {
+        "size": size,
+        "load_average": {"before": load_before, "after": common.load_average()},
+        "cluster_start_s": round(cluster_start_s, 1),
+        "extra_nodes": len(extra_nodes),
+        "deployments_create_s": round(deployments_s, 2),
+        "operator_startup_s": round(startup_s, 2),
+        "operator_startup_requests": table_of(count_requests(audit.window(0, run.before.at))),
+        **result,
+    }
+
+
+def drive(
+    cluster: LocalCluster, pid: int, audit: AuditLog, size: int, options: Options, say: Log
+) -> Run:
+    """Apply N ShardedModels, wait for Ready and for the operator to settle, then stay idle."""
+    watcher = Watcher(cluster, NAMESPACE, models_too=True).start()
+    try:
+        before = Checkpoint.take(cluster, pid)
+        apply_s = in_parallel(
+            cluster,
+            size,
+            lambda api, i: shm.create(api, NAMESPACE, model_name(i), model_spec(i)),
+            options.workers,
+        )
+        say(f"N={size}: applied {size} ShardedModels in {apply_s:.1f}s")
+        try:
+            wait_until(
+                lambda: watcher.count(lambda seen: len(seen.ready_now)) >= size,
+                timeout=options.timeout_seconds,
+                what="every ShardedModel to be Ready",
+            )
+            converged = True
+        except TimeoutError:
+            converged = False
+        ready = watcher.count(lambda seen: len(seen.ready_now))
+        say(f"N={size}: {ready}/{size} Ready after {time.time() - before.at:.1f}s")
+        settled_at = audit.wait_quiet(
+            options.quiet_seconds,
+            max(options.timeout_seconds - (time.time() - before.at), 3 * options.quiet_seconds),
+            writes_only=True,
+            since=before.at,
+        )
+        after_converge = Checkpoint.take(cluster, pid)
+        changes_before_idle = watcher.count(lambda seen: len(seen.changes))
+        say(f"N={size}: settled; idle for {options.idle_seconds:.0f}s")
+        time.sleep(options.idle_seconds)
+        after_idle = Checkpoint.take(cluster, pid)
+    finally:
+        watcher.stop()
+    return Run(
+        size=size,
+        apply_s=apply_s,
+        converged=converged,
+        settled_at=settled_at,
+        before=before,
+        after_converge=after_converge,
+        after_idle=after_idle,
+        seen=watcher.snapshot(),
+        changes_before_idle=changes_before_idle,
+    )
+
+
+def run_baseline(cluster: LocalCluster, size: int, options: Options, say: Log) -> dict[str, Any]:
+    """The same N verify Jobs, created directly: the floor the cluster sets."""
+    settings = Settings()
+    manifests = [plain_verify_job(i, BASELINE_NAMESPACE, settings) for i in range(size)]
+    watcher = Watcher(cluster, BASELINE_NAMESPACE, models_too=False).start()
+    try:
+        start = time.time()
+        create_s = in_parallel(
+            cluster,
+            size,
+            lambda api, i: k8s.BatchV1Api(api).create_namespaced_job(
+                BASELINE_NAMESPACE, k8s.V1Job.model_validate(manifests[i])
+            ),
+            options.workers,
+        )
+        with contextlib.suppress(TimeoutError):
+            wait_until(
+                lambda: watcher.count(lambda seen: len(seen.job_done)) >= size,
+                timeout=options.timeout_seconds,
+                what="every baseline Job to complete",
+            )
+    finally:
+        watcher.stop()
+    seen = watcher.snapshot()
+    done = len(seen.job_done) >= size
+    all_complete = max(seen.job_done.values()) - start if done else None
+    finished = len(seen.job_done)
+    say(f"N={size}: baseline: {finished}/{size} Jobs complete after {time.time() - start:.1f}s")
+    return {
+        "create_s": round(create_s, 2),
+        "jobs_complete_s": seconds_after(start, seen.job_done.values()),
+        "all_complete_s": _round(all_complete),
+        "jobs_failed": len(seen.job_failed),
+    }
+
+
+# Summaries ----------------------------------------------------------------------------------
+
+
+def seconds_after(start: float, moments: Iterable[float]) -> dict[str, float | None]:
+    """The median, 90th percentile and last of some moments, in seconds after `start`."""
+    offsets = sorted(m - start for m in moments)
+    if not offsets:
+        return {"p50": None, "p90": None, "max": None}
+    return {
+        "p50": round(statistics.median(offsets), 2),
+        "p90": round(offsets[max(0, math.ceil(0.9 * len(offsets)) - 1)], 2),
+        "max": round(offsets[-1], 2),
+    }
+
+
+def table_of(counts: Counter[RequestKey], per: int = 1) -> dict[str, float]:
+    """`{"VERB resource": count / per}`, largest first."""
+    return {
+        f"{verb} {resource}": round(value / per, 3)
+        for (verb, resource), value in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    }
+
+
+def writes_of(counts: Counter[RequestKey]) -> int:
+    """How many of the counted requests are writes."""
+    return sum(value for (verb, _), value in counts.items() if verb in WRITE_VERBS)
+
+
+def log_levels(text: str) -> dict[str, int]:
+    """How many operator log lines were warnings and errors."""
+    found = Counter(match.group(1) for match in _LOG_LEVEL.finditer(text))
+    return {level.lower(): found.get(level, 0) for level in ("WARNING", "ERROR", "CRITICAL")}
+
+
+def summarize(
+    run: Run, audit: AuditLog, baseline: dict[str, Any], operator_log: str
+) -> dict[str, Any]:
+    """The figures of one size, from the raw observations."""
+    size, seen = run.size, run.seen
+    start, idle_start, idle_end = run.before.at, run.after_converge.at, run.after_idle.at
+    converge = audit.window(start, idle_start)
+    idle = audit.window(idle_start, idle_end)
+    converge_counts, idle_counts = count_requests(converge), count_requests(idle)
+    all_ready = max(seen.ready_at.values()) - start if run.converged else None
+    result: dict[str, Any] = {
+        "apply_s": round(run.apply_s, 2),
+        "converged": run.converged,
+        "ready": len(seen.ready_now),
+        "not_ready_reasons": dict(
+            Counter(
+                seen.reasons.get(model_name(i), "(no status)")
+                for i in range(size)
+                if model_name(i) not in seen.ready_now
+            )
+        ),
+        "jobs": len(seen.job_created),
+        "jobs_failed": len(seen.job_failed),
+        "jobs_created_s": seconds_after(start, seen.job_created.values()),
+        "jobs_complete_s": seconds_after(start, seen.job_done.values()),
+        "ready_s": seconds_after(start, seen.ready_at.values()),
+        "all_ready_s": _round(all_ready),
+        "settled_s": _round(run.settled_at - start if run.settled_at is not None else None),
+        "baseline": baseline,
+        "ready_over_baseline": _round(common.ratio(all_ready, baseline["all_complete_s"])),
+        "operator": {
+            "peak_rss_mib": _mib(run.after_idle.usage.peak_rss_bytes),
+            "rss_mib": {
+                "before_apply": _mib(run.before.usage.rss_bytes),
+                "settled": _mib(run.after_converge.usage.rss_bytes),
+                "after_idle": _mib(run.after_idle.usage.rss_bytes),
+            },
+            "cpu_s": {
+                "startup": round(run.before.usage.cpu_seconds, 2),
+                "converge": round(
+                    run.after_converge.usage.cpu_seconds - run.before.usage.cpu_seconds, 2
+                ),
+                "idle": round(
+                    run.after_idle.usage.cpu_seconds - run.after_converge.usage.cpu_seconds, 2
+                ),
+            },
+            "log": log_levels(operator_log),
+        },
+        "cluster_cpu_s": {
+            "converge": _cpu_delta(run.after_converge.cpu, run.before.cpu),
+            "idle": _cpu_delta(run.after_idle.cpu, run.after_converge.cpu),
+        },
+        "requests": {
+            "operator_per_shardedmodel": table_of(converge_counts, size),
+            "operator_refused_per_shardedmodel": table_of(count_refused(converge), size),
+            "operator_total": sum(converge_counts.values()),
+            "operator_total_from_metrics": round(
+                run.after_converge.metrics.operator_requests - run.before.metrics.operator_requests
+            ),
+            "operator_writes": writes_of(converge_counts),
+            "operator_writes_per_shardedmodel": round(writes_of(converge_counts) / size, 2),
+            "all_clients_per_shardedmodel": table_of(
+                metrics_delta(run.after_converge.metrics, run.before.metrics), size
+            ),
+        },
+        "idle": {
+            "seconds": round(idle_end - idle_start, 1),
+            "operator_requests": table_of(idle_counts),
+            "operator_total": sum(idle_counts.values()),
+            "operator_total_from_metrics": round(
+                run.after_idle.metrics.operator_requests
+                - run.after_converge.metrics.operator_requests
+            ),
+            "operator_writes": writes_of(idle_counts),
+            "shardedmodel_changes": len(seen.changes) - run.changes_before_idle,
+            "ready_lost": seen.ready_lost,
+            "all_clients": table_of(
+                metrics_delta(run.after_idle.metrics, run.after_converge.metrics)
+            ),
+        },
+    }
+    result["targets"] = check_targets(result)
+    return result
+
+
+def _mib(value: int) -> float:
+    return round(value / common.MIB, 1)
+
+
+def _round(value: float | None, digits: int = 2) -> float | None:
+    return round(value, digits) if value is not None else None
+
+
+def _cpu_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: round(after[name] - before.get(name, 0.0), 2) for name in after}
+
+
+def check_targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each target with its limit, the measured value and whether it is met."""
+    ready = result["all_ready_s"]
+    rss = result["operator"]["peak_rss_mib"]
+    writes = result["requests"]["operator_writes_per_shardedmodel"]
+    idle_writes = result["idle"]["operator_writes"]
+    return {
+        "all_ready_s": {
+            "limit": READY_TARGET_SECONDS,
+            "value": ready,
+            "met": ready is not None and ready <= READY_TARGET_SECONDS,
+        },
+        "peak_rss_mib": {
+            "limit": PEAK_RSS_TARGET_MIB,
+            "value": rss,
+            "met": rss < PEAK_RSS_TARGET_MIB,
+        },
+        "writes_per_shardedmodel": {
+            "limit": WRITES_PER_RESOURCE_TARGET,
+            "value": writes,
+            "met": writes <= WRITES_PER_RESOURCE_TARGET,
+        },
+        "idle_writes": {"limit": 0, "value": idle_writes, "met": idle_writes == 0},
+    }
+
+
+# Output -------------------------------------------------------------------------------------
+
+
+def print_report(results: Sequence[dict[str, Any]]) -> None:
+    """The summary, the request breakdown and the targets, as tables."""
+    common.print_table(
+        "The controller at scale: seconds from the start of apply; baseline: the same verify "
+        "Jobs created without the operator",
+        [
+            "N",
+            "apply",
+            "Jobs created",
+            "Jobs done",
+            "all Ready",
+            "settled",
+            "baseline",
+            "Ready/baseline",
+            "peak RSS MiB",
+            "CPU s",
+            "req/SHM",
+            "writes/SHM",
+            "idle req",
+            "idle writes",
+        ],
+        [
+            [
+                r["size"],
+                r["apply_s"],
+                r["jobs_created_s"]["max"],
+                r["jobs_complete_s"]["max"],
+                r["all_ready_s"],
+                r["settled_s"],
+                r["baseline"]["all_complete_s"],
+                r["ready_over_baseline"],
+                r["operator"]["peak_rss_mib"],
+                r["operator"]["cpu_s"]["converge"],
+                round(r["requests"]["operator_total"] / r["size"], 2),
+                r["requests"]["operator_writes_per_shardedmodel"],
+                r["idle"]["operator_total"],
+                r["idle"]["operator_writes"],
+            ]
+            for r in results
+        ],
+    )
+    _breakdown(
+        "Operator requests per ShardedModel, apply to settled (audit log)",
+        results,
+        lambda r: r["requests"]["operator_per_shardedmodel"],
+    )
+    _breakdown(
+        "... of which the API server refused",
+        results,
+        lambda r: r["requests"]["operator_refused_per_shardedmodel"],
+    )
+    _breakdown(
+        "Operator requests while idle (total)", results, lambda r: r["idle"]["operator_requests"]
+    )
+    common.print_table(
+        "Targets",
+        ["N", "target", "limit", "measured", "met"],
+        [
+            [r["size"], name, t["limit"], t["value"], "yes" if t["met"] else "NO"]
+            for r in results
+            for name, t in r["targets"].items()
+        ],
+    )
+
+
+def _breakdown(
+    title: str,
+    results: Sequence[dict[str, Any]],
+    table: Callable[[dict[str, Any]], dict[str, float]],
+) -> None:
+    keys = sorted({key for r in results for key in table(r)})
+    if keys:
+        common.print_table(
+            title,
+            ["request", *(f"N={r['size']}" for r in results)],
+            [[key, *(table(r).get(key) for r in results)] for key in keys],
+        )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.controller",
+        description="The controller at scale on a local control plane with kwok nodes.",
+    )
+    parser.add_argument(
+        "--sizes",
+        default="200,1000",
+        type=lambda text: tuple(int(part) for part in text.split(",") if part.strip()),
+        help="numbers of ShardedModels, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=120.0,
+        help="how long to watch the settled operator (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--quiet-seconds",
+        type=float,
+        default=10.0,
+        help="no operator write for this long means it has settled (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout-seconds",
+        type=float,
+        default=900.0,
+        help="give up waiting for Ready after this long, per size (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=8,
+        help="API clients creating objects in parallel (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kube-api-qps",
+        type=int,
+        default=100,
+        help="client QPS of kube-controller-manager and kube-scheduler, burst twice that; "
+        "0 keeps Kubernetes' defaults (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=common.RESULTS_DIR / f"{NAME}.json",
+        help="result file (default: benchmarks/results/controller.json)",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the clusters' logs and the audit logs"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run every size, print the tables, write the result file."""
+    args = parse_args(argv)
+    started = common.utc_now()
+    options = Options(
+        idle_seconds=args.idle_seconds,
+        quiet_seconds=args.quiet_seconds,
+        timeout_seconds=args.timeout_seconds,
+        workers=args.workers,
+        kube_api_qps=args.kube_api_qps,
+    )
+    work_dir = Path(tempfile.mkdtemp(prefix="preshard-bench-controller-"))
+    results = []
+    try:
+        for size in args.sizes:
+            results.append(run_size(size, options, work_dir / f"n{size}", _say))
+    finally:
+        if args.keep:
+            _say(f"logs kept in {work_dir}")
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    print_report(results)
+    path = common.write_result(
+        NAME,
+        {
+            "options": {
+                "sizes": list(args.sizes),
+                "idle_seconds": options.idle_seconds,
+                "quiet_seconds": options.quiet_seconds,
+                "workers": options.workers,
+                "kube_api_qps": options.kube_api_qps,
+                "replicas": REPLICAS,
+                "tensor_parallel_size": TENSOR_PARALLEL_SIZE,
+            },
+            "sizes": results,
+        },
+        path=args.output,
+        started=started,
+    )
+    print(f"\nresults written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

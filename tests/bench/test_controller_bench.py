@@ -1,0 +1,148 @@
+"""The controller benchmark at smoke size, so it cannot rot.
+
+The benchmark starts a control plane and an operator of its own (its API server audits the
+operator's user), so it never shares ShardedModels with the session's operator.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchmarks import controller
+
+from preshard.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_smoke_run_measures_every_figure(tmp_path: Path) -> None:
+    output = tmp_path / "controller.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.controller",
+            "--sizes",
+            "3",
+            "--idle-seconds",
+            "3",
+            "--quiet-seconds",
+            "2",
+            "--timeout-seconds",
+            "120",
+            "--output",
+            str(output),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "Targets" in done.stdout
+
+    document = json.loads(output.read_text())
+    assert document["benchmark"] == "controller"
+    assert document["machine"]["cpus"] >= 1
+    (result,) = document["results"]["sizes"]
+    assert (result["size"], result["converged"], result["ready"]) == (3, True, 3)
+    assert (result["jobs"], result["jobs_failed"]) == (3, 0)
+    assert result["all_ready_s"] > 0
+    assert result["baseline"]["all_complete_s"] > 0
+    assert result["ready_over_baseline"] > 0
+    assert result["operator"]["peak_rss_mib"] > 0
+    requests = result["requests"]
+    assert requests["operator_per_shardedmodel"]["POST jobs.batch"] >= 1
+    assert requests["operator_per_shardedmodel"]["PATCH shardedmodels.preshard.dev/status"] >= 1
+    # The audit log and the API server's per-user counter see the same operator requests.
+    assert abs(requests["operator_total"] - requests["operator_total_from_metrics"]) <= 2
+    assert set(result["targets"]) == {
+        "all_ready_s",
+        "peak_rss_mib",
+        "writes_per_shardedmodel",
+        "idle_writes",
+    }
+
+
+def test_audit_lines_become_requests() -> None:
+    line = json.dumps(
+        {
+            "kind": "Event",
+            "stage": "ResponseComplete",
+            "verb": "patch",
+            "requestURI": "/apis/preshard.dev/v1alpha1/namespaces/m/shardedmodels/a/status",
+            "objectRef": {
+                "resource": "shardedmodels",
+                "apiGroup": "preshard.dev",
+                "subresource": "status",
+            },
+            "responseStatus": {"code": 409},
+            "requestReceivedTimestamp": "2026-01-01T00:00:00.500000Z",
+        }
+    )
+    request = controller.parse_audit_event(line)
+    assert request == controller.Request(
+        at=1767225600.5, verb="PATCH", resource="shardedmodels.preshard.dev/status", code=409
+    )
+    assert request.write
+    started = json.loads(line) | {"stage": "ResponseStarted"}
+    assert controller.parse_audit_event(json.dumps(started)) is None
+    discovery = json.loads(line) | {"verb": "get", "requestURI": "/apis?timeout=32s"}
+    del discovery["objectRef"]
+    parsed = controller.parse_audit_event(json.dumps(discovery))
+    assert parsed is not None
+    assert (parsed.verb, parsed.resource, parsed.write) == ("GET", "/apis", False)
+
+
+def test_metrics_are_summed_over_codes_and_the_operator_is_counted_apart() -> None:
+    text = "\n".join(
+        [
+            "# HELP apiserver_request_total Counter of apiserver requests.",
+            'apiserver_request_total{code="201",component="apiserver",dry_run="",group="batch",'
+            'resource="jobs",scope="resource",subresource="",verb="POST",version="v1"} 5',
+            'apiserver_request_total{code="409",component="apiserver",dry_run="",group="batch",'
+            'resource="jobs",scope="resource",subresource="",verb="POST",version="v1"} 2',
+            'apiserver_request_total{code="200",component="",dry_run="",group="",resource="",'
+            'scope="",subresource="/healthz",verb="GET",version=""} 7',
+            'authenticated_user_requests{username="admin"} 11',
+            'authenticated_user_requests{username="other"} 40',
+        ]
+    )
+    before = controller.parse_metrics(text)
+    assert before.requests == {("POST", "jobs.batch"): 7.0, ("GET", "(non-resource)"): 7.0}
+    assert before.operator_requests == 11.0
+    after = controller.MetricsSnapshot(
+        requests={("POST", "jobs.batch"): 10.0, ("GET", "(non-resource)"): 7.0},
+        operator_requests=12.0,
+    )
+    assert controller.metrics_delta(after, before) == {("POST", "jobs.batch"): 3}
+
+
+def test_only_the_operator_user_is_audited() -> None:
+    policy = controller.audit_policy("admin")
+    assert policy["rules"] == [{"level": "Metadata", "users": ["admin"]}, {"level": "None"}]
+    assert "ResponseComplete" not in policy["omitStages"]
+
+
+def test_percentiles_are_seconds_after_the_start() -> None:
+    assert controller.seconds_after(100.0, [101.0, 103.0, 102.0, 110.0]) == {
+        "p50": 2.5,
+        "p90": 10.0,
+        "max": 10.0,
+    }
+    assert controller.seconds_after(0.0, []) == {"p50": None, "p90": None, "max": None}
+
+
+def test_the_baseline_job_is_the_operators_verify_job_without_an_owner() -> None:
+    job = controller.plain_verify_job(7, "baseline", Settings())
+    assert "ownerReferences" not in job["metadata"]
+    assert job["metadata"]["name"].startswith("model-7-")
+    assert job["metadata"]["name"].endswith("-verify-1")
+    assert job["spec"]["template"]["metadata"]["labels"]["preshard.dev/command"] == "verify"
