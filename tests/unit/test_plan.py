@@ -18,7 +18,7 @@ from preshard import conditions, reasons
 from preshard.api.models import parse_spec
 from preshard.api.status import ShardedModelStatus
 from preshard.builders.common import Owner
-from preshard.builders.target import ANNOTATION_OWNER, merge_patch
+from preshard.builders.target import ANNOTATION_OWNER
 from preshard.controller.observe import JobView, PodView
 from preshard.controller.plan import Observed, Plan, Resource, plan
 from preshard.outcome import Outcome, exit_code
@@ -103,9 +103,7 @@ class World:
             self.jobs.pop(name, None)
         for patch in result.patches:
             current = self.deployments[patch.name]
-            body = copy.deepcopy(patch.patch)
-            body["metadata"].pop("resourceVersion")
-            updated = apply_merge_patch(current, body)
+            updated = apply_json_patch(current, patch.patch)
             updated["metadata"]["resourceVersion"] = str(
                 int(current["metadata"]["resourceVersion"]) + 1
             )
@@ -163,15 +161,22 @@ def running(name: str, command: str) -> JobView:
     )
 
 
-def apply_merge_patch(target: Any, patch: Any) -> Any:
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = apply_merge_patch(result.get(key), value)
+def apply_json_patch(document: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """RFC 6902, the operations preshard uses, on plain dicts (as the API server would)."""
+    result = copy.deepcopy(document)
+    for op in ops:
+        *parents, last = [
+            part.replace("~1", "/").replace("~0", "~") for part in op["path"].split("/")[1:]
+        ]
+        node = result
+        for part in parents:
+            node = node[part]
+        if op["op"] == "test":
+            assert node[last] == op["value"], f"test of {op['path']} failed"
+        elif op["op"] in ("add", "replace"):
+            node[last] = copy.deepcopy(op["value"])
+        elif op["op"] == "remove":
+            del node[last]
     return result
 
 
@@ -547,11 +552,3 @@ def test_selector_targets_every_matching_deployment() -> None:
     assert [t.name for t in world.status.targets] == ["a", "b"]
     assert world.condition(conditions.READY) == ("True", reasons.READY)
     assert "annotations" not in world.deployments["c"]["metadata"]
-
-
-def test_merge_patch_removes_and_replaces() -> None:
-    assert merge_patch({"a": 1, "b": {"c": 1, "d": 2}, "l": [1]}, {"b": {"c": 2}, "l": [2]}) == {
-        "a": None,
-        "b": {"c": 2, "d": None},
-        "l": [2],
-    }

@@ -16,8 +16,8 @@ from preshard.builders.target import (
     build_restored_deployment,
     deployment_patch,
     managed_view,
-    rollout,
     rollout_complete,
+    rollout_state,
 )
 from preshard.settings import Settings
 
@@ -292,14 +292,26 @@ def test_unsupported_commands_are_refused_with_the_container_named() -> None:
     assert refused.message.startswith("container vllm: ")
 
 
-def test_patch_is_a_guarded_merge_patch_of_the_template() -> None:
+def test_patch_is_guarded_by_the_generation_and_keeps_other_annotations() -> None:
     current = deployment()
+    current["metadata"]["annotations"] = {"team": "inference"}
     patched = build_patched_deployment(current, target_input())
     assert isinstance(patched, dict)
-    patch = deployment_patch(current, patched)
-    assert patch["metadata"]["resourceVersion"] == "7"
-    assert set(patch) == {"metadata", "spec"}
-    assert set(patch["spec"]) == {"template"}
+    ops = deployment_patch(current, patched)
+    assert ops[0] == {"op": "test", "path": "/metadata/generation", "value": 3}
+    assert ops[-1] == {
+        "op": "replace",
+        "path": "/spec/template",
+        "value": patched["spec"]["template"],
+    }
+    touched = [op["path"] for op in ops[1:-1]]
+    assert "/metadata/annotations/preshard.dev~1owner" in touched
+    assert all(path.startswith("/metadata/annotations/preshard.dev~1") for path in touched)
+    restored = build_restored_deployment(patched)
+    assert restored is not None
+    removals = deployment_patch(patched, restored)[1:-1]
+    assert {op["op"] for op in removals} == {"remove"}
+    assert not any(op["path"].endswith("/team") for op in removals)
 
 
 def test_server_defaults_do_not_look_like_drift() -> None:
@@ -333,11 +345,11 @@ def test_a_patched_deployment_as_stored_needs_no_further_write() -> None:
     assert managed_view(again, "vllm") == managed_view(stored, "vllm")
 
 
-def test_rollout_text_and_completion() -> None:
+def test_rollout_state_is_coarse() -> None:
     item = deployment()
     item["status"] = {"observedGeneration": 3, "updatedReplicas": 3, "replicas": 3}
-    assert rollout(item) == "3/3 updated, 0 available"
+    assert rollout_state(item) == "complete"
     assert rollout_complete(item)
     item["status"] = {"observedGeneration": 2, "updatedReplicas": 1, "replicas": 4}
-    assert rollout(item) == "1/3 updated, 0 available (rollout pending)"
+    assert rollout_state(item) == "in progress"
     assert not rollout_complete(item)

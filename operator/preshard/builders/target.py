@@ -281,37 +281,38 @@ def managed_view(deployment: Manifest, container_name: str | None) -> Manifest:
     }
 
 
-def merge_patch(current: Any, desired: Any) -> Any:
-    """An RFC 7386 JSON merge patch turning `current` into `desired` (lists replaced whole)."""
-    if not isinstance(current, dict) or not isinstance(desired, dict):
-        return desired
-    patch: Manifest = {}
-    for key in current.keys() - desired.keys():
-        patch[key] = None
-    for key, value in desired.items():
-        if key not in current:
-            patch[key] = value
-        elif current[key] != value:
-            patch[key] = merge_patch(current[key], value)
-    return patch
+def deployment_patch(current: Manifest, desired: Manifest) -> list[Manifest]:
+    """A JSON patch of the pod template and preshard's annotations, guarded by generation.
 
-
-def deployment_patch(current: Manifest, desired: Manifest) -> Manifest:
-    """The merge patch of the pod template and annotations, guarded by resourceVersion.
-
-    The resourceVersion makes the API server refuse the write (409) if the Deployment changed
-    since it was read, so a concurrent edit is never overwritten blindly.
+    The `test` of `metadata.generation` makes the API server refuse the write if the spec
+    changed since it was read, so a concurrent edit is never overwritten; status updates by the
+    Deployment controller (which change the resourceVersion, not the generation) do not get in
+    the way. Annotations are set key by key, so other writers' annotations are kept.
     """
-    patch: Manifest = {
-        "metadata": {
-            "resourceVersion": current["metadata"]["resourceVersion"],
-            "annotations": merge_patch(
-                annotations_of(current), desired.get("metadata", {}).get("annotations") or {}
-            ),
-        },
-        "spec": {"template": merge_patch(current["spec"]["template"], desired["spec"]["template"])},
-    }
-    return patch
+    ops: list[Manifest] = [
+        {"op": "test", "path": "/metadata/generation", "value": current["metadata"]["generation"]}
+    ]
+    have = annotations_of(current)
+    want = (desired.get("metadata") or {}).get("annotations") or {}
+    if not have and want:
+        ops.append({"op": "add", "path": "/metadata/annotations", "value": {}})
+    for key in OWNED_ANNOTATIONS:
+        path = "/metadata/annotations/" + key.replace("~", "~0").replace("/", "~1")
+        if key in want and have.get(key) != want[key]:
+            ops.append({"op": "add", "path": path, "value": want[key]})
+        elif key not in want and key in have:
+            ops.append({"op": "remove", "path": path})
+    ops.append({"op": "replace", "path": "/spec/template", "value": desired["spec"]["template"]})
+    return ops
+
+
+def rollout_state(deployment: Manifest) -> str:
+    """`complete` once every replica runs the current template, else `in progress`.
+
+    Coarse on purpose: per-replica counts would change the status, and so cost a write, with
+    every pod that becomes ready.
+    """
+    return "complete" if rollout_complete(deployment) else "in progress"
 
 
 def rollout_complete(deployment: Manifest) -> bool:
@@ -326,19 +327,6 @@ def rollout_complete(deployment: Manifest) -> bool:
         and int(status.get("updatedReplicas", 0)) == replicas
         and int(status.get("replicas", replicas)) == replicas
     )
-
-
-def rollout(deployment: Manifest) -> str:
-    """Rollout progress as a person reads it."""
-    status: Manifest = deployment.get("status") or {}
-    desired = int((deployment.get("spec") or {}).get("replicas", 1))
-    updated = int(status.get("updatedReplicas", 0))
-    available = int(status.get("availableReplicas", 0))
-    observed = int(status.get("observedGeneration", 0)) >= int(
-        deployment.get("metadata", {}).get("generation", 0)
-    )
-    text = f"{updated}/{desired} updated, {available} available"
-    return text if observed else f"{text} (rollout pending)"
 
 
 def _apply_container(container: Manifest, target: TargetInput) -> None:

@@ -46,7 +46,7 @@ OWNED: Final = {LABEL_MANAGED_BY: MANAGED_BY}
 Key = tuple[str, str]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Interest:
     """Which Deployments a ShardedModel cares about, so a Deployment event wakes only it."""
 
@@ -64,23 +64,39 @@ class Interest:
 
 @dataclass
 class Wakeups:
-    """One asyncio event per running reconciler, set by the watch handlers."""
+    """One asyncio event per running reconciler, set by the watch handlers.
+
+    A Deployment event wakes the reconcilers that name it, own it, or select by label in its
+    namespace, found through maps rather than by asking every ShardedModel.
+    """
 
     events: dict[Key, asyncio.Event] = field(default_factory=dict)
     interests: dict[Key, Interest] = field(default_factory=dict)
-    by_namespace: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    naming: dict[Key, set[str]] = field(default_factory=lambda: defaultdict(set))
+    selecting: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
 
     def register(self, key: Key) -> asyncio.Event:
-        """The event a reconciler waits on."""
-        event = self.events.setdefault(key, asyncio.Event())
-        self.by_namespace[key[0]].add(key[1])
-        return event
+        """The event a reconciler waits on. Until its interest is known, any Deployment in its
+        namespace may matter to it."""
+        self.selecting[key[0]].add(key[1])
+        return self.events.setdefault(key, asyncio.Event())
+
+    def set_interest(self, key: Key, interest: Interest) -> None:
+        """Record which Deployments a reconciler cares about now."""
+        if self.interests.get(key) == interest:
+            return
+        self._forget_interest(key)
+        self.interests[key] = interest
+        namespace, name = key
+        for deployment in interest.names:
+            self.naming[(namespace, deployment)].add(name)
+        if interest.selectors:
+            self.selecting[namespace].add(name)
 
     def unregister(self, key: Key) -> None:
         """Forget a reconciler that stopped."""
+        self._forget_interest(key)
         self.events.pop(key, None)
-        self.interests.pop(key, None)
-        self.by_namespace[key[0]].discard(key[1])
 
     def wake(self, key: Key) -> None:
         """Wake one reconciler, if it runs."""
@@ -92,10 +108,26 @@ class Wakeups:
         """Wake the reconcilers whose targets may include this Deployment."""
         labels = dict(body.get("metadata", {}).get("labels") or {})
         owner = target.owner_of(dict(body))
-        for shm in self.by_namespace.get(namespace, ()):
+        candidates = self.naming.get((namespace, name), set()) | self.selecting.get(
+            namespace, set()
+        )
+        if owner is not None:
+            candidates = candidates | {owner}
+        for shm in candidates:
             interest = self.interests.get((namespace, shm))
             if interest is None or interest.matches(name, labels, owner, shm):
                 self.wake((namespace, shm))
+
+    def _forget_interest(self, key: Key) -> None:
+        namespace, name = key
+        old = self.interests.pop(key, None)
+        for deployment in old.names if old else ():
+            named = self.naming.get((namespace, deployment))
+            if named is not None:
+                named.discard(name)
+                if not named:
+                    del self.naming[(namespace, deployment)]
+        self.selecting[namespace].discard(name)
 
 
 @kopf.on.startup()
@@ -201,32 +233,38 @@ async def reconcile(
     namespace = namespace or ""
     key = (namespace, name)
     wakeup = memo.wakeups.register(key)
-    reconciler: Reconciler = memo.reconciler
+    indexes = Indexes.of(kwargs)
     try:
         while not stopped:
             wakeup.clear()
-            snapshot = copy.deepcopy(dict(body))
-            memo.wakeups.interests[key] = _interest(snapshot)
-            indexes = Indexes.of(kwargs)
-            observed = observed_for(
-                indexes.jobs_of(key),
-                indexes.deployments_in(namespace),
-                indexes.keys_elsewhere(key),
-                now_utc(),
-            )
             try:
-                result = await asyncio.to_thread(reconciler.reconcile, snapshot, observed)
+                delay = await _reconcile_once(key, body, memo, indexes)
             except Exception:
                 logger.exception("reconcile failed; retrying")
                 delay = 10.0
-            else:
-                _post(body, result.events)
-                delay = result.requeue_after or RESYNC_SECONDS
             # Stopping (deletion, operator exit) cancels this wait: kopf cancels async daemons.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wakeup.wait(), timeout=delay)
     finally:
         memo.wakeups.unregister(key)
+
+
+async def _reconcile_once(key: Key, body: kopf.Body, memo: kopf.Memo, indexes: Indexes) -> float:
+    """One pass; returns when to look again. Its observation is dropped before the daemon
+    sleeps, so a thousand sleeping daemons hold no copies of the indexes."""
+    snapshot = copy.deepcopy(dict(body))
+    interest = _interest(snapshot)
+    memo.wakeups.set_interest(key, interest)
+    observed = observed_for(
+        indexes.jobs_of(key),
+        indexes.deployments_for(key, interest),
+        indexes.keys_elsewhere(key, _artifact_keys(snapshot)),
+        now_utc(),
+    )
+    reconciler: Reconciler = memo.reconciler
+    result = await asyncio.to_thread(reconciler.reconcile, snapshot, observed)
+    _post(body, result.events)
+    return result.requeue_after or RESYNC_SECONDS
 
 
 @kopf.on.delete(models.GROUP, models.VERSION, models.PLURAL)
@@ -244,12 +282,13 @@ def cleanup(
     reconciler: Reconciler = memo.reconciler
     key = (namespace, name)
     indexes = Indexes.of(kwargs)
+    snapshot = copy.deepcopy(dict(body))
     try:
         events = reconciler.cleanup(
-            copy.deepcopy(dict(body)),
-            indexes.deployments_in(namespace),
+            snapshot,
+            indexes.deployments_for(key, Interest()),
             indexes.jobs_of(key),
-            indexes.keys_elsewhere(key),
+            indexes.keys_elsewhere(key, _artifact_keys(snapshot)),
         )
     except CleanupPendingError as pending:
         if runtime.total_seconds() > memo.settings.cleanup_timeout_seconds:
@@ -293,17 +332,32 @@ class Indexes:
             for job in self.jobs.get(key, ())
         }
 
-    def deployments_in(self, namespace: str) -> dict[str, dict[str, Any]]:
-        """The namespace's Deployments by name."""
-        return dict(self.deployments.get(namespace, ()))
+    def deployments_for(self, key: Key, interest: Interest) -> dict[str, dict[str, Any]]:
+        """The Deployments a ShardedModel may target or has patched, by name."""
+        namespace, name = key
+        return {
+            deployment: manifest
+            for deployment, manifest in self.deployments.get(namespace, ())
+            if interest.matches(
+                deployment,
+                (manifest.get("metadata") or {}).get("labels") or {},
+                target.owner_of(manifest),
+                name,
+            )
+        }
 
-    def keys_elsewhere(self, key: Key) -> frozenset[str]:
-        """Artifact keys that another ShardedModel lists too."""
+    def keys_elsewhere(self, key: Key, keys: Iterable[str]) -> frozenset[str]:
+        """Which of these artifact keys another ShardedModel lists too."""
         return frozenset(
             artifact
-            for artifact, owners in self.artifacts.items()
-            if any(owner != key for owner in owners)
+            for artifact in keys
+            if any(owner != key for owner in self.artifacts.get(artifact, ()))
         )
+
+
+def _artifact_keys(body: dict[str, Any]) -> list[str]:
+    status = body.get("status") or {}
+    return [str(e["artifactKey"]) for e in status.get("shardSets") or [] if e.get("artifactKey")]
 
 
 def _interest(body: dict[str, Any]) -> Interest:

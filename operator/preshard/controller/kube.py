@@ -17,6 +17,7 @@ from preshard.api import models
 Manifest = dict[str, Any]
 
 MERGE_PATCH: Final = "application/merge-patch+json"
+JSON_PATCH: Final = "application/json-patch+json"
 log = logging.getLogger(__name__)
 
 
@@ -86,18 +87,30 @@ class Kube:
         deployment: Manifest = result
         return deployment
 
-    def patch_deployment(self, namespace: str, name: str, patch: Manifest) -> None:
-        """Apply a JSON merge patch; `ConflictError` when its resourceVersion is stale."""
+    def patch_deployment(self, namespace: str, name: str, patch: list[Manifest]) -> None:
+        """Apply a JSON patch; `ConflictError` when its `test` of the generation fails."""
         try:
-            self._apps.patch_namespaced_deployment(
-                name, namespace, patch, _content_type=MERGE_PATCH
-            )
+            self._apps.patch_namespaced_deployment(name, namespace, patch, _content_type=JSON_PATCH)
         except ApiException as error:
-            if error.status == 409:
+            if error.status == 409 or (
+                error.status == 422 and self._test_failed(namespace, name, patch)
+            ):
                 raise ConflictError(f"Deployment {namespace}/{name} changed; retrying") from None
             if error.status == 404:
                 raise NotFoundError(f"Deployment {namespace}/{name}") from None
             raise
+
+    def _test_failed(self, namespace: str, name: str, patch: list[Manifest]) -> bool:
+        # The API server answers a failed `test` operation with a bare 422 (Invalid), as it
+        # does an invalid patch: tell them apart by whether the tested value has changed.
+        tests = [op for op in patch if op.get("op") == "test"]
+        if not tests:
+            return False
+        try:
+            current = self.get_deployment(namespace, name)
+        except NotFoundError:
+            return True
+        return any(_pointer(current, op["path"]) != op["value"] for op in tests)
 
     def patch_status(self, namespace: str, name: str, status: Manifest) -> None:
         """Replace the ShardedModel's status (top-level fields are written whole)."""
@@ -114,3 +127,14 @@ class Kube:
         except ApiException as error:
             if error.status != 404:
                 raise
+
+
+def _pointer(document: Any, path: str) -> Any:
+    """The value at a JSON pointer, or None where the path does not exist."""
+    node = document
+    for part in path.split("/")[1:]:
+        key = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node

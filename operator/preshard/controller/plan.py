@@ -70,10 +70,10 @@ class Event:
 
 @dataclass(frozen=True)
 class DeploymentPatch:
-    """A merge patch for one Deployment."""
+    """A JSON patch for one Deployment."""
 
     name: str
-    patch: Manifest
+    patch: list[Manifest]
     restore: bool = False
 
 
@@ -238,12 +238,12 @@ class _Planner:
             problem = job.problem
             if problem is not None:
                 return entry.model_copy(update={"reason": problem[0], "message": problem[1]})
-            waiting_reason = {
-                jobs.SERIALIZE: reasons.SERIALIZING,
-                jobs.DELETE: reasons.DELETED,
-            }.get(kind, reasons.VERIFYING if entry.stage != "Probing" else reasons.PROBING)
+            running = _running_reason(kind, entry.stage)
+            if entry.reason == running:
+                return entry
+            # A problem the pod had (a missing Secret, say) is gone.
             return entry.model_copy(
-                update={"reason": waiting_reason, "message": f"Job {job.name} is running"}
+                update={"reason": running, "message": f"Job {job.name} is running"}
             )
         outcome = job.outcome()
         if kind == jobs.SERIALIZE:
@@ -329,19 +329,13 @@ class _Planner:
             stage = "Deleting"
         elif entry.stage in ("Serializing", "Failed"):
             stage = "Verifying"
-        reason = {
-            "Probing": reasons.PROBING,
-            "Serializing": reasons.SERIALIZING,
-            "Verifying": reasons.VERIFYING,
-            "Deleting": reasons.SUPERSEDED,
-        }.get(stage, entry.reason)
         return entry.model_copy(
             update={
                 counter: run,
                 "job": manifest["metadata"]["name"],
                 "stage": stage,
-                "reason": reason,
-                "message": f"Job {manifest['metadata']['name']} created",
+                "reason": _running_reason(kind, stage),
+                "message": f"Job {manifest['metadata']['name']} is running",
                 "next_check": None,
             }
         )
@@ -526,7 +520,7 @@ class _Planner:
                         if failed and wanted_entry
                         else ""
                     ),
-                    "rollout": target.rollout(deployment) if applied else None,
+                    "rollout": target.rollout_state(deployment) if applied else None,
                 }
             )
         target_input = target.TargetInput(
@@ -556,9 +550,9 @@ class _Planner:
             self.plan.patches.append(
                 DeploymentPatch(name=name, patch=target.deployment_patch(deployment, desired))
             )
-            rollout = "patch applied; rollout pending"
+            rollout = "in progress"
         else:
-            rollout = target.rollout(deployment)
+            rollout = target.rollout_state(deployment)
         switched = serving.artifact_key == wanted.artifact_key
         image_note = _image_note(deployment, container_name)
         return base.model_copy(
@@ -687,6 +681,9 @@ class _Planner:
                 entry.job,
             ):
                 continue
+            if old is not None and old.stage == entry.stage == "Verified" and not entry.failures:
+                # A periodic check that starts or passes is no news.
+                continue
             failed = entry.stage == "Failed" or entry.failures > 0
             text = f"TP {entry.tensor_parallel_size} shard set {entry.artifact_key}: {entry.stage}"
             detail = entry.message
@@ -710,6 +707,9 @@ class _Planner:
                 state.artifact_key,
             ):
                 continue
+            if old_target is None and state.state == "Waiting":
+                # Every new resource waits at first; that is no news.
+                continue
             bad = state.state in ("Refused", "Conflict", "NotFound") or state.reason == (
                 reasons.TARGET_IMAGE_CHANGED
             )
@@ -721,14 +721,11 @@ class _Planner:
                 )
             )
         for patch in self.plan.patches:
-            verb = "restored" if patch.restore else "patched"
-            self.plan.events.append(
-                Event(
-                    "Normal",
-                    reasons.RESTORED if patch.restore else reasons.PATCHING,
-                    f"Deployment {patch.name} {verb}",
+            # A patch shows as its target's transition; a restore has no target left to show.
+            if patch.restore:
+                self.plan.events.append(
+                    Event("Normal", reasons.RESTORED, f"Deployment {patch.name} restored")
                 )
-            )
 
 
 def _serving_set(
@@ -761,6 +758,17 @@ def _image_note(deployment: Manifest, container_name: str | None) -> str | None:
             "pointed at; check that it runs the vLLM version the shards were made with"
         )
     return None
+
+
+def _running_reason(kind: str, stage: Stage) -> str:
+    """The reason a set carries while a Job of this kind runs for it."""
+    if kind == jobs.SERIALIZE:
+        return reasons.SERIALIZING
+    if kind == jobs.DELETE:
+        return reasons.SUPERSEDED
+    if stage == "Verified":
+        return reasons.VERIFIED
+    return reasons.PROBING if stage == "Probing" else reasons.VERIFYING
 
 
 def _kind_of(job_name: str) -> str:

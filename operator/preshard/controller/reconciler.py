@@ -7,6 +7,7 @@ kopf's thread pool. Every API call goes through `preshard.controller.kube`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -31,6 +32,8 @@ from preshard.settings import Settings
 
 ANNOTATION_SKIP_CLEANUP: Final = "preshard.dev/skip-cleanup"
 CONFLICT_RETRY_SECONDS: Final = 1.0
+# How long a Job this operator created counts as existing before the Job index shows it.
+CREATED_MEMORY_SECONDS: Final = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ class Reconciler:
         self.kube = client
         self.settings = settings
         self._written: dict[tuple[str, str], _Written] = {}
+        self._created: dict[tuple[str, str], float] = {}
 
     def reconcile(self, body: Manifest, observed: Observed) -> Result:
         """One pass for one ShardedModel: decide, act, record."""
@@ -196,9 +200,23 @@ class Reconciler:
         requeue: float | None = None
         for job_name in decided.delete_jobs:
             self.kube.delete_job(namespace, job_name)
+        now = time.monotonic()
+        self._created = {k: t for k, t in self._created.items() if now - t < CREATED_MEMORY_SECONDS}
         for manifest in decided.create_jobs:
-            if self.kube.create_job(manifest):
-                log.info("created Job %s/%s", namespace, manifest["metadata"]["name"])
+            job_name = manifest["metadata"]["name"]
+            if (namespace, job_name) in self._created:
+                # Created a moment ago; the Job index has not caught up yet.
+                continue
+            try:
+                created = self.kube.create_job(manifest)
+            except kube.NamespaceTerminatingError:
+                # The namespace is being deleted with this ShardedModel in it (its Jobs may go
+                # first); nothing can start there, and the deletion handler takes over.
+                log.info("namespace %s is terminating; Job %s not created", namespace, job_name)
+                break
+            self._created[(namespace, job_name)] = now
+            if created:
+                log.info("created Job %s/%s", namespace, job_name)
         for patch in decided.patches:
             try:
                 self.kube.patch_deployment(namespace, patch.name, patch.patch)
