@@ -1,0 +1,177 @@
+"""Secrets stay in their Secrets, and a ShardedModel reaches nothing outside its namespace.
+
+The operator runs as the chart's ServiceAccount, whose RBAC has no access to Secrets at all
+(`tests/helm/test_install.py::test_service_account_cannot` proves the API server refuses it
+every Secret verb); here its log shows that it never even asked.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+from kubernetes import client as k8s
+
+from preshard import reasons
+from tests.e2e import support
+from tests.helm.conftest import Namespaces
+from tests.helm.support import Operator, Tool, ToolError, forbidden_requests
+from tests.support import shardedmodels as shm
+from tests.support.podrunner import PodRunner
+
+pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
+
+HF_SECRET: Final = "hf-token"
+KEY_SECRET: Final = "shard-key"
+# The operator has no permission to watch CRDs; the framework logs that and carries on.
+EXPECTED_FORBIDDEN: Final = ("customresourcedefinitions",)
+
+
+def secret_texts(api: k8s.ApiClient, namespace: str) -> dict[str, str]:
+    """The namespace's Secrets as the API server returns them (base64 data)."""
+    found = [
+        support.plain(api, item)
+        for item in k8s.CoreV1Api(api).list_namespaced_secret(namespace).items
+    ]
+    return {f"secret/{item['metadata']['name']}": json.dumps(item) for item in found}
+
+
+def test_no_secret_value_appears_in_logs_args_status_events_or_annotations(
+    kube_api: k8s.ApiClient,
+    operator: Operator,
+    workspace: str,
+    store: support.Store,
+    pod_runner: PodRunner,
+) -> None:
+    namespace = workspace
+    hf_token = "hf_" + secrets.token_urlsafe(24)
+    key = secrets.token_bytes(32)
+    support.create_secret(kube_api, namespace, HF_SECRET, {"HF_TOKEN": hf_token.encode()})
+    support.create_secret(kube_api, namespace, KEY_SECRET, {"key": key})
+    watched: dict[str, bytes | str] = {
+        "S3 secret key": store.server.credentials.secret_access_key,
+        "HF token": hf_token,
+        "encryption key": key,
+    }
+    support.create_vllm_deployment(kube_api, namespace)
+    support.create_vllm_deployment(kube_api, namespace, "gated", node_kind="auto")
+    prefix = f"security-{secrets.token_hex(3)}"
+    encrypted = support.spec(
+        store, prefix, encryption={"secretRef": {"name": KEY_SECRET, "key": "key"}}
+    )
+    gated = support.spec(
+        store, prefix, targets=[{"name": "gated"}], serialization={"backoffLimit": 0}
+    )
+    gated["model"] = {
+        "id": "example-org/gated-model",
+        "revision": "main",
+        "tokenSecretRef": {"name": HF_SECRET},
+    }
+    shm.create(kube_api, namespace, "encrypted", encrypted)
+    shm.create(kube_api, namespace, "gated", gated)
+
+    support.wait_ready(kube_api, namespace, "encrypted", operator)
+    support.until(
+        lambda: support.serving_pod(kube_api, namespace, "vllm"), "the encrypted set to be served"
+    )
+
+    def gated_serialization() -> str | None:
+        names = support.job_names(kube_api, namespace)
+        return next((n for n in names if n.startswith("gated-") and "-serialize-" in n), None)
+
+    first = support.until(gated_serialization, "the gated model's serialization to start")
+    support.until(
+        lambda: support.job_finished(support.read_job(kube_api, namespace, first)) == "Failed",
+        "the gated model's serialization to fail (the Hub is out of reach)",
+    )
+    _, outcome = support.job_outcome(kube_api, namespace, first)
+    assert outcome.reason == reasons.UNREACHABLE, outcome
+    (pod,) = support.pods(kube_api, namespace, f"job-name={first}")
+    env = {e.name: e for e in pod.spec.containers[0].env}
+    assert env["HF_TOKEN"].value_from.secret_key_ref.name == HF_SECRET, "the token went in"
+
+    texts = {
+        **support.api_objects(kube_api, namespace),
+        **support.runner_logs(pod_runner, namespace),
+        "operator log": operator.log(),
+    }
+    assert any("serialize" in where and where.startswith("log ") for where in texts)
+    assert support.leaks(texts, watched) == []
+    # The scan finds each secret where it does belong: the test's own Secrets.
+    found = support.leaks(secret_texts(kube_api, namespace), watched)
+    assert sorted(found) == sorted(
+        [
+            f"secret/{support.CREDENTIALS}: S3 secret key",
+            f"secret/{HF_SECRET}: HF token",
+            f"secret/{KEY_SECRET}: encryption key",
+        ]
+    )
+    assert forbidden_requests(operator.log(), *EXPECTED_FORBIDDEN) == []
+    support.forbid_tracebacks(operator)
+
+
+@pytest.fixture
+def neighbour(kube_api: k8s.ApiClient) -> Any:
+    """Another namespace with a same-named Deployment and Secrets of its own."""
+    namespaces = Namespaces(kube_api, "neighbour")
+    try:
+        yield namespaces.create("other")
+    finally:
+        namespaces.delete_all()
+
+
+def test_nothing_in_another_namespace_can_be_targeted_or_referenced(
+    kube_api: k8s.ApiClient,
+    admin_kubectl: Tool,
+    operator: Operator,
+    workspace: str,
+    neighbour: str,
+    store: support.Store,
+    tmp_path: Path,
+) -> None:
+    namespace = workspace
+    theirs = support.create_vllm_deployment(kube_api, neighbour, node_kind="auto")
+    support.create_credentials(kube_api, neighbour, store.server)
+
+    attempts: dict[str, dict[str, Any]] = {
+        "spec.targets[0].name": {"targets": [{"name": f"{neighbour}/vllm"}]},
+        "spec.storage.credentialsSecretRef.name": {
+            "storage": store.storage("shards", credentialsSecretRef={"name": f"{neighbour}/s3"})
+        },
+        "spec.encryption.secretRef.name": {
+            "encryption": {"secretRef": {"name": f"{neighbour}/key", "key": "key"}}
+        },
+        'unknown field "spec.targets[0].namespace"': {
+            "targets": [{"name": "vllm", "namespace": neighbour}]
+        },
+        'unknown field "spec.storage.credentialsSecretRef.namespace"': {
+            "storage": store.storage(
+                "shards", credentialsSecretRef={"name": "s3", "namespace": neighbour}
+            )
+        },
+    }
+    for field, change in attempts.items():
+        body = support.sharded_model(
+            "reach", namespace, {**support.spec(store, "shards"), **change}
+        )
+        with pytest.raises(ToolError) as refused:
+            support.kubectl_apply(admin_kubectl, body, tmp_path)
+        assert field in str(refused.value), str(refused.value)
+        assert shm.gone(kube_api, namespace, "reach")
+
+    shm.create(kube_api, namespace, "reach", support.spec(store, "shards"))
+    support.wait_condition(
+        kube_api, namespace, "reach", operator, "Ready", "False", reasons.TARGET_NOT_FOUND
+    )
+    support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    support.wait_ready(kube_api, namespace, "reach", operator)
+    ours = shm.read_deployment(kube_api, namespace, "vllm")
+    assert support.container_flags(ours)[1] == "tensorizer"
+    after = shm.read_deployment(kube_api, neighbour, "vllm")
+    assert after["metadata"]["generation"] == theirs["metadata"]["generation"]
+    assert after["spec"]["template"] == theirs["spec"]["template"]
+    assert not [k for k in after["metadata"].get("annotations") or {} if k.startswith("preshard")]
+    assert support.job_names(kube_api, neighbour) == []
