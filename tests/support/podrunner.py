@@ -872,7 +872,7 @@ class PodRunner:
             while not self._stop.wait(self.heartbeat_seconds):
                 try:
                     self._heartbeat(api)
-                except (ApiException, OSError):
+                except (ApiException, OSError, urllib3.exceptions.HTTPError):
                     logger.warning("node heartbeat failed; retrying", exc_info=True)
 
     def _heartbeat(self, api: k8s.ApiClient) -> None:

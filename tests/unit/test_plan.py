@@ -328,6 +328,25 @@ def test_bad_input_is_not_retried_and_a_retry_annotation_starts_over() -> None:
     assert world.step().create_jobs == []
 
 
+def test_a_spec_change_starts_a_failed_set_over_even_with_the_same_key() -> None:
+    world = World()
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    world.step()
+    world.finish(world.only_set().job, failed("serialize", reasons.OOM_KILLED, "OOMKilled"))
+    world.step()
+    key = world.only_set().artifact_key
+    assert world.step().create_jobs == []
+    world.spec["serialization"] = {"memory": "128Gi"}
+    world.generation = 2
+    (job,) = world.step().create_jobs
+    assert job["metadata"]["name"].endswith("-serialize-2")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["memory"] == "128Gi"
+    assert world.only_set().artifact_key == key
+    assert world.step().create_jobs == []
+
+
 def test_a_failed_job_without_a_message_reports_the_platform_reason() -> None:
     world = World()
     world.step()
@@ -516,13 +535,14 @@ def test_a_set_another_resource_uses_is_released_not_deleted() -> None:
     world = World({**BASE_SPEC, "storage": {**BASE_SPEC["storage"], "retention": "Delete"}})
     drive_to_ready(world)
     old_key = world.only_set().artifact_key
+    old_uri = world.only_set().uri
     world.spec["model"]["revision"] = "def456"
-    world.step(keys_used_elsewhere=frozenset({old_key}))
+    world.step(sets_used_elsewhere=frozenset({old_uri}))
     new = next(e for e in world.status.shard_sets if e.artifact_key != old_key)
     world.finish(new.job, verified())
-    world.step(keys_used_elsewhere=frozenset({old_key}))
+    world.step(sets_used_elsewhere=frozenset({old_uri}))
     world.roll_out()
-    result = world.step(keys_used_elsewhere=frozenset({old_key}))
+    result = world.step(sets_used_elsewhere=frozenset({old_uri}))
     assert result.create_jobs == []
     assert any(e.reason == reasons.RELEASED for e in result.events)
     assert [e.artifact_key for e in world.status.shard_sets] == [new.artifact_key]

@@ -103,6 +103,9 @@ class ShardSetStatus(StatusModel):
     retry_token: str | None = None
     """The `preshard.dev/retry` annotation value last acted on."""
 
+    failed_generation: int | None = None
+    """The spec generation the set failed under; a newer spec starts it over."""
+
     failures: int = 0
     """Consecutive transient failures (unreachable store), for back-off."""
 

@@ -187,12 +187,15 @@ def deployment_index(namespace: str | None, name: str, body: kopf.Body, **_: Any
 
 
 @kopf.index(models.GROUP, models.VERSION, models.PLURAL)
-def artifact_index(namespace: str | None, name: str, status: kopf.Status, **_: Any) -> Any:
-    """Artifact keys in use: `key -> (namespace, name)` of each ShardedModel that lists it."""
+def shard_set_index(namespace: str | None, name: str, status: kopf.Status, **_: Any) -> Any:
+    """Shard sets in use: `set URI -> (namespace, name)` of each ShardedModel that lists it.
+
+    By URI, not artifact key: the same key under another storage prefix is another set.
+    """
     return {
-        entry.get("artifactKey"): (namespace, name)
+        entry.get("uri"): (namespace, name)
         for entry in status.get("shardSets") or []
-        if entry.get("artifactKey")
+        if entry.get("uri")
     }
 
 
@@ -258,7 +261,7 @@ async def _reconcile_once(key: Key, body: kopf.Body, memo: kopf.Memo, indexes: I
     observed = observed_for(
         indexes.jobs_of(key),
         indexes.deployments_for(key, interest),
-        indexes.keys_elsewhere(key, _artifact_keys(snapshot)),
+        indexes.sets_elsewhere(key, _set_uris(snapshot)),
         now_utc(),
     )
     reconciler: Reconciler = memo.reconciler
@@ -288,7 +291,7 @@ def cleanup(
             snapshot,
             indexes.deployments_for(key, Interest()),
             indexes.jobs_of(key),
-            indexes.keys_elsewhere(key, _artifact_keys(snapshot)),
+            indexes.sets_elsewhere(key, _set_uris(snapshot)),
         )
     except CleanupPendingError as pending:
         if runtime.total_seconds() > memo.settings.cleanup_timeout_seconds:
@@ -312,7 +315,7 @@ class Indexes:
     jobs: kopf.Index[Key, JobView]
     pods: kopf.Index[Key, PodView]
     deployments: kopf.Index[str, tuple[str, dict[str, Any]]]
-    artifacts: kopf.Index[str, Key]
+    shard_sets: kopf.Index[str, Key]
 
     @classmethod
     def of(cls, kwargs: dict[str, Any]) -> Indexes:
@@ -321,7 +324,7 @@ class Indexes:
             jobs=kwargs["job_index"],
             pods=kwargs["pod_index"],
             deployments=kwargs["deployment_index"],
-            artifacts=kwargs["artifact_index"],
+            shard_sets=kwargs["shard_set_index"],
         )
 
     def jobs_of(self, key: Key) -> dict[str, JobView]:
@@ -346,18 +349,16 @@ class Indexes:
             )
         }
 
-    def keys_elsewhere(self, key: Key, keys: Iterable[str]) -> frozenset[str]:
-        """Which of these artifact keys another ShardedModel lists too."""
+    def sets_elsewhere(self, key: Key, uris: Iterable[str]) -> frozenset[str]:
+        """Which of these shard set URIs another ShardedModel lists too."""
         return frozenset(
-            artifact
-            for artifact in keys
-            if any(owner != key for owner in self.artifacts.get(artifact, ()))
+            uri for uri in uris if any(owner != key for owner in self.shard_sets.get(uri, ()))
         )
 
 
-def _artifact_keys(body: dict[str, Any]) -> list[str]:
+def _set_uris(body: dict[str, Any]) -> list[str]:
     status = body.get("status") or {}
-    return [str(e["artifactKey"]) for e in status.get("shardSets") or [] if e.get("artifactKey")]
+    return [str(e["uri"]) for e in status.get("shardSets") or [] if e.get("uri")]
 
 
 def _interest(body: dict[str, Any]) -> Interest:

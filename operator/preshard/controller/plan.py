@@ -101,7 +101,8 @@ class Observed:
     jobs: Mapping[str, JobView]
     deployments: Mapping[str, Manifest]
     now: datetime
-    keys_used_elsewhere: frozenset[str] = frozenset()
+    sets_used_elsewhere: frozenset[str] = frozenset()
+    """URIs of this resource's shard sets that another ShardedModel lists too."""
 
 
 @dataclass(frozen=True)
@@ -208,8 +209,15 @@ class _Planner:
             entry = self._entry(shard_set, stage="Probing", reason=reasons.PROBING)
             return self._start(entry, shard_set, jobs.VERIFY)
         token = self.resource.annotations.get(ANNOTATION_RETRY)
-        if entry.stage == "Failed" and token is not None and token != entry.retry_token:
-            entry = entry.model_copy(update={"retry_token": token, "failures": 0})
+        retried = token is not None and token != entry.retry_token
+        respecified = (
+            entry.failed_generation is not None
+            and self.resource.generation > entry.failed_generation
+        )
+        if entry.stage == "Failed" and (retried or respecified):
+            entry = entry.model_copy(
+                update={"retry_token": token, "failures": 0, "failed_generation": None}
+            )
             return self._start(entry, shard_set, jobs.SERIALIZE)
         if entry.stage in ("Superseded", "Deleting"):
             # Wanted again before it was deleted: check it is still whole.
@@ -366,6 +374,7 @@ class _Planner:
                 "message": _clip(message),
                 "job": None,
                 "next_check": None,
+                "failed_generation": self.resource.generation,
             }
         )
 
@@ -420,7 +429,7 @@ class _Planner:
             entry = entry.model_copy(update={"job": None})
         deletable = (
             self.spec.storage.retention == "Delete"
-            and entry.artifact_key not in self.observed.keys_used_elsewhere
+            and entry.uri not in self.observed.sets_used_elsewhere
             and entry.stage not in ("Probing", "Failed")
         )
         if not deletable:

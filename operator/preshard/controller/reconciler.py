@@ -100,7 +100,7 @@ class Reconciler:
         body: Manifest,
         deployments: Mapping[str, Manifest],
         job_views: Mapping[str, JobView],
-        keys_used_elsewhere: frozenset[str],
+        sets_used_elsewhere: frozenset[str],
     ) -> list[Event]:
         """Undo what preshard did for a deleted ShardedModel; `CleanupPendingError` means wait."""
         metadata = body.get("metadata") or {}
@@ -130,7 +130,7 @@ class Reconciler:
         owner = Owner(name=name, namespace=namespace, uid=str(metadata.get("uid", "")))
         waiting: list[str] = []
         for entry in status.shard_sets:
-            if entry.artifact_key in keys_used_elsewhere:
+            if entry.uri in sets_used_elsewhere:
                 continue
             shard_set = ShardSet.for_spec(spec, entry.tensor_parallel_size, entry.artifact_key)
             run = entry.delete_run + 1
@@ -257,7 +257,7 @@ def now_utc() -> datetime:
 def observed_for(
     jobs_by_name: Mapping[str, JobView],
     deployments: Mapping[str, Manifest],
-    keys_used_elsewhere: frozenset[str],
+    sets_used_elsewhere: frozenset[str],
     now: datetime,
 ) -> Observed:
     """Bundle what the indexes hold for one ShardedModel."""
@@ -265,7 +265,7 @@ def observed_for(
         jobs=dict(jobs_by_name),
         deployments=dict(deployments),
         now=now,
-        keys_used_elsewhere=keys_used_elsewhere,
+        sets_used_elsewhere=sets_used_elsewhere,
     )
 
 
