@@ -29,7 +29,7 @@ from preshard.devenv.s3server import S3Server
 from preshard.outcome import Outcome
 from tests.helm.support import Operator, Tool
 from tests.support import shardedmodels as shm
-from tests.support.cluster import on_node, wait_for
+from tests.support.cluster import on_node, plain, wait_for
 from tests.support.models import TinyModel, assert_shards_match
 from tests.support.podrunner import PodRunner
 
@@ -410,13 +410,6 @@ def api_objects(api: k8s.ApiClient, namespace: str) -> dict[str, str]:
     for item in resources["items"]:
         texts[f"shardedmodel/{item['metadata']['name']}"] = json.dumps(item)
     return texts
-
-
-def plain(api: k8s.ApiClient, obj: Any) -> Manifest:
-    """An API object as the plain dict the API server sends."""
-    # The client's serializer has no type annotations.
-    found: Manifest = api.sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
-    return found
 
 
 def job_exists(api: k8s.ApiClient, namespace: str, name: str) -> bool:

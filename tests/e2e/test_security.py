@@ -20,6 +20,7 @@ from tests.e2e import support
 from tests.helm.conftest import Namespaces
 from tests.helm.support import Operator, Tool, ToolError, forbidden_requests
 from tests.support import shardedmodels as shm
+from tests.support.cluster import plain
 from tests.support.podrunner import PodRunner
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
@@ -33,8 +34,7 @@ EXPECTED_FORBIDDEN: Final = ("customresourcedefinitions",)
 def secret_texts(api: k8s.ApiClient, namespace: str) -> dict[str, str]:
     """The namespace's Secrets as the API server returns them (base64 data)."""
     found = [
-        support.plain(api, item)
-        for item in k8s.CoreV1Api(api).list_namespaced_secret(namespace).items
+        plain(api, item) for item in k8s.CoreV1Api(api).list_namespaced_secret(namespace).items
     ]
     return {f"secret/{item['metadata']['name']}": json.dumps(item) for item in found}
 

@@ -37,8 +37,8 @@ def _job(
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
     node_kind: str = "auto",
-) -> dict[str, Any]:
-    return {
+) -> k8s.V1Job:
+    body = {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": name},
@@ -60,13 +60,16 @@ def _job(
             },
         },
     }
+    return k8s.V1Job.model_validate(body)
 
 
 def test_nodes_advertise_gpus(kube_api: k8s.ApiClient) -> None:
     node = k8s.CoreV1Api(kube_api).read_node(GPU_NODES[0])
-    assert node.status.capacity[GPU_RESOURCE] == "8"
-    assert node.status.allocatable[GPU_RESOURCE] == "8"
-    assert node.metadata.labels["type"] == "kwok"
+    assert node.status is not None, "the node has no status"
+    assert (node.status.capacity or {})[GPU_RESOURCE] == "8"
+    assert (node.status.allocatable or {})[GPU_RESOURCE] == "8"
+    assert node.metadata is not None, "the node has no metadata"
+    assert (node.metadata.labels or {})["type"] == "kwok"
 
 
 def test_crd_schema_is_enforced(kube_api: k8s.ApiClient, namespace: str) -> None:
@@ -101,18 +104,18 @@ def test_crd_schema_is_enforced(kube_api: k8s.ApiClient, namespace: str) -> None
         },
     }
     extensions = k8s.ApiextensionsV1Api(kube_api)
-    extensions.create_custom_resource_definition(crd)
-    try:
-        wait_for(
-            lambda: any(
-                c.type == "Established" and c.status == "True"
-                for c in extensions.read_custom_resource_definition(
-                    f"widgets.{group}"
-                ).status.conditions
-                or []
-            ),
-            what="the CRD to be established",
+    extensions.create_custom_resource_definition(k8s.V1CustomResourceDefinition.model_validate(crd))
+
+    def established() -> bool:
+        # The API server may not have written the status of a CRD it just created.
+        status = extensions.read_custom_resource_definition(f"widgets.{group}").status
+        return any(
+            c.type == "Established" and c.status == "True"
+            for c in ((status.conditions or []) if status else [])
         )
+
+    try:
+        wait_for(established, what="the CRD to be established")
         objects = k8s.CustomObjectsApi(kube_api)
 
         def create(size: object) -> Any:
@@ -149,31 +152,39 @@ def test_rbac_is_enforced_for_a_service_account(
 ) -> None:
     core = k8s.CoreV1Api(kube_api)
     rbac = k8s.RbacAuthorizationV1Api(kube_api)
-    core.create_namespaced_service_account(namespace, {"metadata": {"name": "reader"}})
+    core.create_namespaced_service_account(
+        namespace, k8s.V1ServiceAccount.model_validate({"metadata": {"name": "reader"}})
+    )
     core.create_namespaced_config_map(
-        namespace, {"metadata": {"name": "settings"}, "data": {"a": "1"}}
+        namespace,
+        k8s.V1ConfigMap.model_validate({"metadata": {"name": "settings"}, "data": {"a": "1"}}),
     )
     core.create_namespaced_secret(
-        namespace, {"metadata": {"name": "hidden"}, "stringData": {"k": "v"}}
+        namespace,
+        k8s.V1Secret.model_validate({"metadata": {"name": "hidden"}, "stringData": {"k": "v"}}),
     )
     rbac.create_namespaced_role(
         namespace,
-        {
-            "metadata": {"name": "configmap-getter"},
-            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}],
-        },
+        k8s.V1Role.model_validate(
+            {
+                "metadata": {"name": "configmap-getter"},
+                "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}],
+            }
+        ),
     )
     rbac.create_namespaced_role_binding(
         namespace,
-        {
-            "metadata": {"name": "reader"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "Role",
-                "name": "configmap-getter",
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
-        },
+        k8s.V1RoleBinding.model_validate(
+            {
+                "metadata": {"name": "reader"},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "Role",
+                    "name": "configmap-getter",
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
+            }
+        ),
     )
     with api_for(cluster.service_account_kubeconfig(namespace, "reader")) as api:
         as_reader = k8s.CoreV1Api(api)
@@ -186,6 +197,7 @@ def test_rbac_is_enforced_for_a_service_account(
             with pytest.raises(ApiException) as forbidden:
                 denied()
             assert forbidden.value.status == 403
+            assert forbidden.value.body is not None, "the 403 has no Status body"
             reason = json.loads(forbidden.value.body)["message"]
             assert f'User "system:serviceaccount:{namespace}:reader" cannot' in reason
 
@@ -195,6 +207,7 @@ def test_client_certificate_users_are_authenticated(cluster: LocalCluster, names
     with api_for(kubeconfig) as api, pytest.raises(ApiException) as forbidden:
         k8s.CoreV1Api(api).list_namespaced_pod(namespace)
     assert forbidden.value.status == 403
+    assert forbidden.value.body is not None, "the 403 has no Status body"
     assert 'User "alice" cannot list' in json.loads(forbidden.value.body)["message"]
 
 
@@ -216,18 +229,20 @@ def test_a_pod_asking_for_too_many_gpus_stays_pending(
     core = k8s.CoreV1Api(kube_api)
     core.create_namespaced_pod(
         namespace,
-        {
-            "metadata": {"name": "greedy"},
-            "spec": {
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "registry.invalid/x",
-                        "resources": {"limits": {GPU_RESOURCE: "9"}},
-                    }
-                ]
-            },
-        },
+        k8s.V1Pod.model_validate(
+            {
+                "metadata": {"name": "greedy"},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "registry.invalid/x",
+                            "resources": {"limits": {GPU_RESOURCE: "9"}},
+                        }
+                    ]
+                },
+            }
+        ),
     )
 
     def unschedulable(pod: Any) -> bool:
@@ -311,43 +326,49 @@ def test_deployment_pods_stay_running_and_ready(kube_api: k8s.ApiClient, namespa
     labels = {"app": "server"}
     k8s.AppsV1Api(kube_api).create_namespaced_deployment(
         namespace,
-        {
-            "metadata": {"name": "server"},
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "containers": [
-                            {
-                                "name": "vllm",
-                                "image": "registry.invalid/vllm",
-                                "resources": {"limits": {GPU_RESOURCE: "1"}},
-                            }
-                        ]
+        k8s.V1Deployment.model_validate(
+            {
+                "metadata": {"name": "server"},
+                "spec": {
+                    "replicas": 1,
+                    "selector": {"matchLabels": labels},
+                    "template": {
+                        "metadata": {"labels": labels},
+                        "spec": {
+                            "containers": [
+                                {
+                                    "name": "vllm",
+                                    "image": "registry.invalid/vllm",
+                                    "resources": {"limits": {GPU_RESOURCE: "1"}},
+                                }
+                            ]
+                        },
                     },
                 },
-            },
-        },
+            }
+        ),
     )
 
     def available() -> bool:
         status = (
             k8s.AppsV1Api(kube_api).read_namespaced_deployment_status("server", namespace).status
         )
-        return (status.available_replicas or 0) == 1
+        # A Deployment the controller has not seen yet may have no status.
+        return status is not None and (status.available_replicas or 0) == 1
 
     wait_for(available, what="the Deployment to be available")
     (pod,) = k8s.CoreV1Api(kube_api).list_namespaced_pod(namespace).items
+    assert pod.status is not None, "the pod has no status"
     assert pod.status.phase == "Running"
+    assert pod.spec is not None, "the pod has no spec"
     assert pod.spec.node_name in GPU_NODES
 
 
 def test_restart_apiserver_keeps_the_data(cluster: LocalCluster, namespace: str) -> None:
     with cluster.api_client() as api:
         k8s.CoreV1Api(api).create_namespaced_config_map(
-            namespace, {"metadata": {"name": "kept"}, "data": {"k": "v"}}
+            namespace,
+            k8s.V1ConfigMap.model_validate({"metadata": {"name": "kept"}, "data": {"k": "v"}}),
         )
     port = cluster.server
     cluster.restart_apiserver()

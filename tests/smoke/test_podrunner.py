@@ -24,8 +24,8 @@ from tests.support.podrunner import PathMap, PodRunner, expand
 pytestmark = pytest.mark.cluster
 
 
-def _job(name: str, container: dict[str, Any], **spec: Any) -> dict[str, Any]:
-    return {
+def _job(name: str, container: dict[str, Any], **spec: Any) -> k8s.V1Job:
+    body = {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": name},
@@ -41,13 +41,15 @@ def _job(name: str, container: dict[str, Any], **spec: Any) -> dict[str, Any]:
             },
         },
     }
+    return k8s.V1Job.model_validate(body)
 
 
-def _pod(name: str, containers: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
-    return {
+def _pod(name: str, containers: list[dict[str, Any]], **spec: Any) -> k8s.V1Pod:
+    body = {
         "metadata": {"name": name},
         "spec": {"restartPolicy": "Never", **on_node("runner"), "containers": containers, **spec},
     }
+    return k8s.V1Pod.model_validate(body)
 
 
 def _terminated(pod: Any) -> bool:
@@ -106,7 +108,10 @@ def test_a_missing_secret_is_a_create_container_config_error(
     assert pod.status.phase == "Pending"
     assert pod.status.container_statuses[0].state.waiting.message == 'secret "creds" not found'
     core.create_namespaced_secret(
-        namespace, {"metadata": {"name": "creds"}, "stringData": {"token": "s3cr3t"}}
+        namespace,
+        k8s.V1Secret.model_validate(
+            {"metadata": {"name": "creds"}, "stringData": {"token": "s3cr3t"}}
+        ),
     )
     pod = wait_for_pod(kube_api, namespace, "needs-secret", _terminated, what="the pod to end")
     assert pod.status.phase == "Succeeded"
@@ -119,17 +124,21 @@ def test_env_volumes_and_termination_message(
     core = k8s.CoreV1Api(kube_api)
     core.create_namespaced_secret(
         namespace,
-        {
-            "metadata": {"name": "creds"},
-            "stringData": {"id": "AKID", "secret": "shh", "unused": "x"},
-        },
+        k8s.V1Secret.model_validate(
+            {
+                "metadata": {"name": "creds"},
+                "stringData": {"id": "AKID", "secret": "shh", "unused": "x"},
+            }
+        ),
     )
     core.create_namespaced_config_map(
         namespace,
-        {
-            "metadata": {"name": "settings"},
-            "data": {"REGION": "local", "file.txt": "hello"},
-        },
+        k8s.V1ConfigMap.model_validate(
+            {
+                "metadata": {"name": "settings"},
+                "data": {"REGION": "local", "file.txt": "hello"},
+            }
+        ),
     )
     script = (
         'test "$(stat -c %a /creds/key)" = 600 || exit 3; '

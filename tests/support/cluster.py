@@ -68,6 +68,14 @@ def on_node(node_kind: str) -> dict[str, Any]:
     return spec
 
 
+def plain(api: k8s.ApiClient, obj: object) -> dict[str, Any]:
+    """An API object (a client model or a custom object) as the plain dict the API server sends."""
+    # The client's serializer has no type annotations; for any model or mapping it returns a dict.
+    found = api.sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
+    assert isinstance(found, dict), f"{type(obj).__name__} does not serialize to an object"
+    return found
+
+
 def job_pods(api: k8s.ApiClient, namespace: str, job: str) -> list[Any]:
     """The pods of a Job, oldest first."""
     pods = k8s.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=f"job-name={job}")

@@ -9,7 +9,7 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
-from tests.support.cluster import wait_for
+from tests.support.cluster import plain, wait_for
 
 
 def create(api: k8s.ApiClient, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -20,18 +20,18 @@ def create(api: k8s.ApiClient, namespace: str, name: str, spec: dict[str, Any]) 
         "metadata": {"name": name, "namespace": namespace},
         "spec": spec,
     }
-    result: dict[str, Any] = k8s.CustomObjectsApi(api).create_namespaced_custom_object(
+    created = k8s.CustomObjectsApi(api).create_namespaced_custom_object(
         models.GROUP, models.VERSION, namespace, models.PLURAL, body
     )
-    return result
+    return plain(api, created)
 
 
 def get(api: k8s.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     """Read a ShardedModel as a dict."""
-    result: dict[str, Any] = k8s.CustomObjectsApi(api).get_namespaced_custom_object(
+    found = k8s.CustomObjectsApi(api).get_namespaced_custom_object(
         models.GROUP, models.VERSION, namespace, models.PLURAL, name
     )
-    return result
+    return plain(api, found)
 
 
 def patch(api: k8s.ApiClient, namespace: str, name: str, body: dict[str, Any]) -> None:
@@ -143,18 +143,15 @@ def create_deployment(
             },
         },
     }
-    result: dict[str, Any] = api.sanitize_for_serialization(
-        k8s.AppsV1Api(api).create_namespaced_deployment(namespace, body)
+    created = k8s.AppsV1Api(api).create_namespaced_deployment(
+        namespace, k8s.V1Deployment.model_validate(body)
     )
-    return result
+    return plain(api, created)
 
 
 def read_deployment(api: k8s.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     """A Deployment as a dict."""
-    result: dict[str, Any] = api.sanitize_for_serialization(
-        k8s.AppsV1Api(api).read_namespaced_deployment(name, namespace)
-    )
-    return result
+    return plain(api, k8s.AppsV1Api(api).read_namespaced_deployment(name, namespace))
 
 
 def vllm_args(deployment: dict[str, Any], container: str = "vllm") -> list[str]:
@@ -175,6 +172,6 @@ def jobs(api: k8s.ApiClient, namespace: str) -> list[dict[str, Any]]:
     """The namespace's Jobs as dicts, by name."""
     items = k8s.BatchV1Api(api).list_namespaced_job(namespace).items
     return sorted(
-        (api.sanitize_for_serialization(item) for item in items),
+        (plain(api, item) for item in items),
         key=lambda j: str(j["metadata"]["name"]),
     )

@@ -514,6 +514,7 @@ def test_changing_tp_builds_the_new_set_before_switching() -> None:
     assert {e.stage for e in world.status.shard_sets} == {"Probing", "Superseded"}
 
     new = next(e for e in world.status.shard_sets if e.tensor_parallel_size == 4)
+    assert new.job is not None, "the new set is being probed by a Job"
     world.finish(new.job, verified(4))
     result = world.step()
     assert [p.name for p in result.patches] == ["vllm"]
@@ -524,6 +525,7 @@ def test_changing_tp_builds_the_new_set_before_switching() -> None:
     (delete,) = world.step().create_jobs
     assert delete["metadata"]["labels"]["preshard.dev/command"] == "delete"
     old = next(e for e in world.status.shard_sets if e.artifact_key == old_key)
+    assert old.job is not None, "the old set is being deleted by a Job"
     world.finish(old.job, Outcome(command="delete", ok=True, reason=reasons.DELETED))
     world.step()
     world.step()
@@ -539,6 +541,7 @@ def test_a_set_another_resource_uses_is_released_not_deleted() -> None:
     world.spec["model"]["revision"] = "def456"
     world.step(sets_used_elsewhere=frozenset({old_uri}))
     new = next(e for e in world.status.shard_sets if e.artifact_key != old_key)
+    assert new.job is not None, "the new set is being probed by a Job"
     world.finish(new.job, verified())
     world.step(sets_used_elsewhere=frozenset({old_uri}))
     world.roll_out()

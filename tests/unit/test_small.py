@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 import pytest
 
@@ -29,7 +30,7 @@ SPEC = {
 }
 
 
-def key(change: dict[str, object] | None = None, tp: int = 2, **kwargs: str) -> str:
+def key(change: Mapping[str, object] | None = None, tp: int = 2, **kwargs: str) -> str:
     spec = parse_spec({**SPEC, **(change or {})})
     return artifact_key(
         spec,
