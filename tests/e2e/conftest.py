@@ -22,8 +22,9 @@ from preshard.devenv.controlplane import LocalCluster
 from preshard.devenv.s3server import S3Server
 from tests.e2e import engine, support
 from tests.helm.conftest import Namespaces
-from tests.helm.support import CHART, Operator, Release, Tool, adopt_crd
+from tests.helm.support import CHART, Release, Tool, adopt_crd, chart_operator
 from tests.support.models import TinyModel, make_tiny_model, upload_model
+from tests.support.operator import OperatorProcess
 from tests.support.podrunner import PodRunner
 from tests.support.s3 import S3Bucket
 
@@ -88,7 +89,7 @@ def operator(
     kube_api: k8s.ApiClient,
     runner_engine: engine.EngineControl,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Operator]:
+) -> Iterator[OperatorProcess]:
     """The installed operator for one module: the chart's args and environment, acting with a
     token of the chart's ServiceAccount, so the API server checks every call against the chart's
     RBAC."""
@@ -96,7 +97,7 @@ def operator(
     kubeconfig = cluster.service_account_kubeconfig(
         release.namespace, release.service_account, path=work_dir / "operator.kubeconfig"
     )
-    process = Operator(release.deployment(kube_api), kubeconfig, work_dir)
+    process = chart_operator(release.deployment(kube_api), kubeconfig, work_dir)
     process.start(timeout=60)
     try:
         yield process

@@ -27,10 +27,11 @@ from preshard import reasons
 from preshard.api import models
 from preshard.devenv.s3server import S3Server
 from preshard.outcome import Outcome
-from tests.helm.support import Operator, Tool
+from tests.helm.support import Tool
 from tests.support import shardedmodels as shm
 from tests.support.cluster import on_node, plain, wait_for
 from tests.support.models import TinyModel, assert_shards_match
+from tests.support.operator import OperatorProcess
 from tests.support.podrunner import PodRunner
 
 T = TypeVar("T")
@@ -181,50 +182,6 @@ def create_vllm_deployment(
         labels=labels,
         pod_spec=on_node(node_kind),
     )
-
-
-def wait_ready(
-    api: k8s.ApiClient, namespace: str, name: str, operator: Operator, *, timeout: float = 90.0
-) -> Manifest:
-    """Wait for Ready=True; a failure shows the status, the Jobs and the operator's log."""
-    return wait_condition(api, namespace, name, operator, "Ready", "True", timeout=timeout)
-
-
-def wait_condition(
-    api: k8s.ApiClient,
-    namespace: str,
-    name: str,
-    operator: Operator,
-    type_: str,
-    status: str,
-    reason: str | None = None,
-    *,
-    timeout: float = 90.0,
-) -> Manifest:
-    """Wait until a condition has a status (and reason) while the operator stays up."""
-
-    def check() -> Manifest | None:
-        if not operator.running():
-            raise AssertionError(f"the operator exited; its log:\n{operator.log_tail()}")
-        resource = shm.get(api, namespace, name)
-        found = shm.condition(resource, type_) or {}
-        matches = found.get("status") == status and reason in (None, found.get("reason"))
-        return resource if matches else None
-
-    try:
-        return wait_for(
-            check, timeout=timeout, interval=0.25, what=f"{name}: {type_}={status} ({reason})"
-        )
-    except TimeoutError as error:
-        current = shm.get(api, namespace, name).get("status")
-        jobs = [
-            (j["metadata"]["name"], j.get("status", {}).get("conditions"))
-            for j in shm.jobs(api, namespace)
-        ]
-        raise AssertionError(
-            f"{error}\nstatus: {json.dumps(current, indent=1)}\njobs: {jobs}\n"
-            f"operator log:\n{operator.log_tail(60)}"
-        ) from None
 
 
 def only_set(resource: Manifest) -> Manifest:
@@ -436,9 +393,9 @@ def runner_logs(runner: PodRunner, namespace: str) -> dict[str, str]:
     }
 
 
-def forbid_tracebacks(operator: Operator) -> None:
+def forbid_tracebacks(operator: OperatorProcess) -> None:
     """Fail when the operator is down or has logged a traceback."""
-    assert operator.running(), f"the operator exited:\n{operator.log_tail()}"
+    assert operator.alive(), f"the operator exited:\n{operator.log_tail()}"
     log = operator.log()
     at = log.find(TRACEBACK)
     assert at < 0, log[max(0, at - 2000) : at + 4000]

@@ -28,9 +28,9 @@ from preshard import reasons
 from preshard.api import models
 from tests.e2e import support
 from tests.helm.conftest import Namespaces
-from tests.helm.support import Operator
 from tests.support import shardedmodels as shm
 from tests.support.cluster import on_node
+from tests.support.operator import OperatorProcess
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
 
@@ -381,7 +381,7 @@ def set_up(api: k8s.ApiClient, namespaces: Namespaces, case: Case, store: suppor
 
 @pytest.fixture(scope="module")
 def rows(
-    kube_api: k8s.ApiClient, operator: Operator, store: support.Store
+    kube_api: k8s.ApiClient, operator: OperatorProcess, store: support.Store
 ) -> Iterator[dict[str, Row]]:
     """Every accepted row, run at once after a shard set to point at exists."""
     namespaces = Namespaces(kube_api, "bad")
@@ -389,7 +389,7 @@ def rows(
         seed = namespaces.create("seed")
         support.create_credentials(kube_api, seed, store.server)
         shm.create(kube_api, seed, "seed", support.spec(store, PREFIX, targets=()))
-        support.wait_ready(kube_api, seed, "seed", operator)
+        shm.wait_ready(kube_api, seed, "seed", operator=operator)
         started = time.monotonic()
         table = {case.name: set_up(kube_api, namespaces, case, store) for case in ACCEPTED}
 
@@ -453,7 +453,7 @@ def test_the_api_server_refuses(
     kube_api: k8s.ApiClient,
     rejections_namespace: str,
     store: support.Store,
-    operator: Operator,
+    operator: OperatorProcess,
 ) -> None:
     namespace = rejections_namespace
     name = f"{NAME}-{secrets.token_hex(3)}"
@@ -500,7 +500,7 @@ def jobs_settled(api: k8s.ApiClient, row: Row) -> list[str]:
 
 @pytest.mark.parametrize("case", ACCEPTED, ids=lambda case: case.name)
 def test_the_operator_reports_and_touches_nothing(
-    case: Case, kube_api: k8s.ApiClient, rows: dict[str, Row], operator: Operator
+    case: Case, kube_api: k8s.ApiClient, rows: dict[str, Row], operator: OperatorProcess
 ) -> None:
     row = rows[case.name]
     assert row.resource is not None

@@ -25,10 +25,11 @@ from tensorizer.serialization import CryptographyError
 from preshard import reasons
 from preshard.outcome import Outcome
 from tests.e2e import support
-from tests.helm.support import Operator, Tool
+from tests.helm.support import Tool
 from tests.support import shardedmodels as shm
 from tests.support.cluster import RUNNER_NODE
 from tests.support.models import TinyModel, assert_shards_match
+from tests.support.operator import OperatorProcess
 from tests.support.podrunner import PodRunner
 from tests.support.s3 import S3Bucket
 
@@ -45,7 +46,7 @@ def clear_prefix(bucket: S3Bucket, prefix: str) -> None:
         bucket.client.delete_object(Bucket=bucket.name, Key=key)
 
 
-def wait_serving(api: k8s.ApiClient, namespace: str, operator: Operator) -> Any:
+def wait_serving(api: k8s.ApiClient, namespace: str, operator: OperatorProcess) -> Any:
     """The patched Deployment's Running pod, once its init container fetched the config."""
 
     def serving() -> Any | None:
@@ -100,7 +101,7 @@ def check_config_fetched(
 def test_kubectl_apply_ends_in_a_deployment_that_loads_the_shards(
     kube_api: k8s.ApiClient,
     admin_kubectl: Tool,
-    operator: Operator,
+    operator: OperatorProcess,
     workspace: str,
     store: support.Store,
     s3_bucket: S3Bucket,
@@ -117,7 +118,7 @@ def test_kubectl_apply_ends_in_a_deployment_that_loads_the_shards(
     started = time.monotonic()
     applied = support.kubectl_apply(admin_kubectl, manifest, tmp_path)
     assert "shardedmodel.preshard.dev/tiny created" in applied
-    resource = support.wait_ready(kube_api, namespace, "tiny", operator)
+    resource = shm.wait_ready(kube_api, namespace, "tiny", operator=operator)
     ready = time.monotonic() - started
     pod = wait_serving(kube_api, namespace, operator)
     serving = time.monotonic() - started
@@ -175,7 +176,7 @@ def test_kubectl_apply_ends_in_a_deployment_that_loads_the_shards(
 def test_an_encrypted_set_loads_only_with_its_key_which_stays_in_its_secret(
     kube_api: k8s.ApiClient,
     admin_kubectl: Tool,
-    operator: Operator,
+    operator: OperatorProcess,
     workspace: str,
     store: support.Store,
     tiny_model: TinyModel,
@@ -190,7 +191,7 @@ def test_an_encrypted_set_loads_only_with_its_key_which_stays_in_its_secret(
     body = support.spec(store, SHARDS, encryption={"secretRef": {"name": KEY_SECRET, "key": "key"}})
     started = time.monotonic()
     support.kubectl_apply(admin_kubectl, support.sharded_model("secret", namespace, body), tmp_path)
-    support.wait_ready(kube_api, namespace, "secret", operator)
+    shm.wait_ready(kube_api, namespace, "secret", operator=operator)
     pod = wait_serving(kube_api, namespace, operator)
     support.record(
         "kubectl apply -> patched pod serving, encrypted TP 2", time.monotonic() - started

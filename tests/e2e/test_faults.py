@@ -8,9 +8,7 @@ does (an OOM kill, an eviction).
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -26,9 +24,9 @@ from preshard.devenv.nodes import TEST_NODE_LABEL
 from tests.e2e import support
 from tests.e2e.engine import EngineControl
 from tests.helm.conftest import Namespaces
-from tests.helm.support import Operator
 from tests.support import shardedmodels as shm
 from tests.support.cluster import MANUAL_NODE, RUNNER_NODE, complete_pod, now
+from tests.support.operator import OperatorProcess
 from tests.support.podrunner import PodRunner
 from tests.support.s3 import S3Bucket
 
@@ -74,7 +72,7 @@ def newest_serialize_job(api: k8s.ApiClient, namespace: str, owner: str) -> str 
 
 @pytest.fixture(scope="module")
 def shared_set(
-    kube_api: k8s.ApiClient, operator: Operator, store: support.Store
+    kube_api: k8s.ApiClient, operator: OperatorProcess, store: support.Store
 ) -> Iterator[dict[str, Any]]:
     """The shard set under the shared prefix, made (or found) once for the module, and kept
     listed by a ShardedModel for as long as the module runs."""
@@ -83,7 +81,7 @@ def shared_set(
         namespace = namespaces.create("shared")
         support.create_credentials(kube_api, namespace, store.server)
         shm.create(kube_api, namespace, "shared", support.spec(store, SHARED, targets=()))
-        yield support.only_set(support.wait_ready(kube_api, namespace, "shared", operator))
+        yield support.only_set(shm.wait_ready(kube_api, namespace, "shared", operator=operator))
     finally:
         namespaces.delete_all()
 
@@ -172,7 +170,7 @@ def restart_apiserver_between_heartbeats(api: k8s.ApiClient, cluster: LocalClust
 
 def test_operator_killed_mid_serialization_picks_the_run_up(
     kube_api: k8s.ApiClient,
-    operator: Operator,
+    operator: OperatorProcess,
     workspace: str,
     store: support.Store,
     engine_switchboard: EngineControl,
@@ -185,13 +183,12 @@ def test_operator_killed_mid_serialization_picks_the_run_up(
     support.until(engine_switchboard.engine_waiting, "the serialize pod to reach the engine")
     before = support.only_set(shm.get(kube_api, namespace, "llama"))
 
-    assert operator.process is not None
-    os.killpg(operator.process.pid, signal.SIGKILL)
-    operator.process.popen.wait(timeout=10)
+    assert operator.alive()
+    operator.kill()
     started = time.monotonic()
     operator.start(timeout=60)
     engine_switchboard.release()
-    resource = support.wait_ready(kube_api, namespace, "llama", operator)
+    resource = shm.wait_ready(kube_api, namespace, "llama", operator=operator)
     support.record(
         "operator SIGKILLed mid-serialization: restart -> Ready", time.monotonic() - started
     )
@@ -208,7 +205,7 @@ def test_operator_killed_mid_serialization_picks_the_run_up(
 
 def test_a_failing_engine_is_retried_then_failed_and_the_retry_annotation_starts_over(
     kube_api: k8s.ApiClient,
-    operator: Operator,
+    operator: OperatorProcess,
     workspace: str,
     store: support.Store,
     s3_bucket: S3Bucket,
@@ -220,8 +217,14 @@ def test_a_failing_engine_is_retried_then_failed_and_the_retry_annotation_starts
     body = support.spec(store, fresh_prefix(), serialization={"backoffLimit": 1})
     shm.create(kube_api, namespace, "llama", body)
     started = time.monotonic()
-    resource = support.wait_condition(
-        kube_api, namespace, "llama", operator, "Ready", "False", reasons.SERIALIZATION_FAILED
+    resource = shm.wait_condition(
+        kube_api,
+        namespace,
+        "llama",
+        "Ready",
+        "False",
+        reasons.SERIALIZATION_FAILED,
+        operator=operator,
     )
     support.record("engine failing twice (backoffLimit 1) -> Failed", time.monotonic() - started)
 
@@ -240,7 +243,7 @@ def test_a_failing_engine_is_retried_then_failed_and_the_retry_annotation_starts
     engine_switchboard.heal()
     started = time.monotonic()
     annotate(kube_api, namespace, "llama", {RETRY: "1"})
-    resource = support.wait_ready(kube_api, namespace, "llama", operator)
+    resource = shm.wait_ready(kube_api, namespace, "llama", operator=operator)
     support.record("retry annotation after a failure -> Ready", time.monotonic() - started)
     assert serialize_jobs(kube_api, namespace)[-1].endswith("-serialize-2")
     assert "manifest.json" in set_keys(s3_bucket, support.only_set(resource))
@@ -248,7 +251,7 @@ def test_a_failing_engine_is_retried_then_failed_and_the_retry_annotation_starts
 
 
 def test_oom_kills_and_evictions_use_the_backoff_then_fail_with_the_reason(
-    kube_api: k8s.ApiClient, operator: Operator, workspace: str, store: support.Store
+    kube_api: k8s.ApiClient, operator: OperatorProcess, workspace: str, store: support.Store
 ) -> None:
     """Two serializations on the manual node at once: `oom` is OOM-killed twice with one retry
     allowed; `evicted` is evicted and then OOM-killed with none allowed."""
@@ -290,8 +293,8 @@ def test_oom_kills_and_evictions_use_the_backoff_then_fail_with_the_reason(
     complete_pod(kube_api, pod_number(jobs["evicted"], 2), 137, None, reason="OOMKilled")
     complete_pod(kube_api, pod_number(jobs["oom"], 2), 137, None, reason="OOMKilled")
     for name in jobs:
-        resource = support.wait_condition(
-            kube_api, namespace, name, operator, "Ready", "False", reasons.OOM_KILLED
+        resource = shm.wait_condition(
+            kube_api, namespace, name, "Ready", "False", reasons.OOM_KILLED, operator=operator
         )
         assert "ran out of memory" in (shm.condition(resource, "Ready") or {})["message"]
     support.record("OOM kills and an eviction -> Failed (OOMKilled)", time.monotonic() - started)
@@ -305,8 +308,8 @@ def test_oom_kills_and_evictions_use_the_backoff_then_fail_with_the_reason(
     assert template_of(kube_api, namespace) == original["spec"]["template"]
 
     annotate(kube_api, namespace, "oom", {RETRY: "after-oom"})
-    support.wait_condition(
-        kube_api, namespace, "oom", operator, "Serialized", "False", reasons.SERIALIZING
+    shm.wait_condition(
+        kube_api, namespace, "oom", "Serialized", "False", reasons.SERIALIZING, operator=operator
     )
     newest = newest_serialize_job(kube_api, namespace, "oom")
     assert newest is not None
@@ -315,7 +318,7 @@ def test_oom_kills_and_evictions_use_the_backoff_then_fail_with_the_reason(
 
 
 def test_more_memory_after_an_oom_kill_starts_over(
-    kube_api: k8s.ApiClient, operator: Operator, workspace: str, store: support.Store
+    kube_api: k8s.ApiClient, operator: OperatorProcess, workspace: str, store: support.Store
 ) -> None:
     namespace = workspace
     support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
@@ -328,8 +331,8 @@ def test_more_memory_after_an_oom_kill_starts_over(
         lambda: next(iter(manual_pods(kube_api, namespace, job)), None), f"a pod of {job}"
     )
     complete_pod(kube_api, pod, 137, None, reason="OOMKilled")
-    support.wait_condition(
-        kube_api, namespace, "llama", operator, "Ready", "False", reasons.OOM_KILLED
+    shm.wait_condition(
+        kube_api, namespace, "llama", "Ready", "False", reasons.OOM_KILLED, operator=operator
     )
 
     shm.patch(kube_api, namespace, "llama", {"spec": {"serialization": {"memory": "64Gi"}}})
@@ -344,7 +347,7 @@ def test_more_memory_after_an_oom_kill_starts_over(
 
 def test_a_rank_file_deleted_after_ready_is_detected_and_nothing_is_repointed(
     kube_api: k8s.ApiClient,
-    operator: Operator,
+    operator: OperatorProcess,
     workspace: str,
     store: support.Store,
     s3_bucket: S3Bucket,
@@ -356,15 +359,15 @@ def test_a_rank_file_deleted_after_ready_is_detected_and_nothing_is_repointed(
     support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
     body = support.spec(store, prefix, verification={"intervalSeconds": 3})
     shm.create(kube_api, namespace, "llama", body)
-    entry = support.only_set(support.wait_ready(kube_api, namespace, "llama", operator))
+    entry = support.only_set(shm.wait_ready(kube_api, namespace, "llama", operator=operator))
     assert entry["reason"] == reasons.ALREADY_SERIALIZED
     patched = shm.read_deployment(kube_api, namespace, "vllm")
 
     rank = entry["uri"].split("/", 3)[3] + "model-rank-001.tensors"
     s3_bucket.client.delete_object(Bucket=s3_bucket.name, Key=rank)
     started = time.monotonic()
-    resource = support.wait_condition(
-        kube_api, namespace, "llama", operator, "Ready", "False", reasons.SHARD_MISSING
+    resource = shm.wait_condition(
+        kube_api, namespace, "llama", "Ready", "False", reasons.SHARD_MISSING, operator=operator
     )
     support.record(
         "rank file deleted -> ShardMissing (verification every 3s)", time.monotonic() - started
@@ -380,7 +383,7 @@ def test_a_rank_file_deleted_after_ready_is_detected_and_nothing_is_repointed(
 
     started = time.monotonic()
     annotate(kube_api, namespace, "llama", {RETRY: "rebuild"})
-    resource = support.wait_ready(kube_api, namespace, "llama", operator)
+    resource = shm.wait_ready(kube_api, namespace, "llama", operator=operator)
     support.record("retry annotation -> set rebuilt and Ready", time.monotonic() - started)
     assert "model-rank-001.tensors" in set_keys(s3_bucket, support.only_set(resource))
     degraded = shm.condition(resource, "Degraded") or {}
@@ -389,13 +392,13 @@ def test_a_rank_file_deleted_after_ready_is_detected_and_nothing_is_repointed(
 
 
 def test_the_target_deployment_deleted_recreated_and_edited_by_hand(
-    kube_api: k8s.ApiClient, operator: Operator, workspace: str, store: support.Store
+    kube_api: k8s.ApiClient, operator: OperatorProcess, workspace: str, store: support.Store
 ) -> None:
     namespace = workspace
     apps = k8s.AppsV1Api(kube_api)
     original = support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
     shm.create(kube_api, namespace, "llama", support.spec(store, SHARED))
-    support.wait_ready(kube_api, namespace, "llama", operator)
+    shm.wait_ready(kube_api, namespace, "llama", operator=operator)
 
     args = shm.vllm_args(shm.read_deployment(kube_api, namespace, "vllm"))
     args[args.index("--tensor-parallel-size") + 1] = "8"
@@ -440,12 +443,12 @@ def test_the_target_deployment_deleted_recreated_and_edited_by_hand(
     assert image == "vllm/vllm-openai:v0.35.0", "the image is the user's: reported, not reverted"
 
     apps.delete_namespaced_deployment("vllm", namespace)
-    support.wait_condition(
-        kube_api, namespace, "llama", operator, "Ready", "False", reasons.TARGET_NOT_FOUND
+    shm.wait_condition(
+        kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_NOT_FOUND, operator=operator
     )
     started = time.monotonic()
     support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
-    support.wait_ready(kube_api, namespace, "llama", operator)
+    shm.wait_ready(kube_api, namespace, "llama", operator=operator)
     support.record("target Deployment re-created -> patched and Ready", time.monotonic() - started)
     tp, load_format, _ = support.container_flags(shm.read_deployment(kube_api, namespace, "vllm"))
     assert (tp, load_format) == (2, "tensorizer")
@@ -457,7 +460,7 @@ def test_the_target_deployment_deleted_recreated_and_edited_by_hand(
 
 
 def test_conflicting_writes_are_retried_without_duplicates(
-    kube_api: k8s.ApiClient, operator: Operator, workspace: str, store: support.Store
+    kube_api: k8s.ApiClient, operator: OperatorProcess, workspace: str, store: support.Store
 ) -> None:
     namespace = workspace
     apps = k8s.AppsV1Api(kube_api)
@@ -487,7 +490,7 @@ def test_conflicting_writes_are_retried_without_duplicates(
         stop.set()
         editor.join(timeout=10)
     started = time.monotonic()
-    support.wait_ready(kube_api, namespace, "llama", operator)
+    shm.wait_ready(kube_api, namespace, "llama", operator=operator)
     support.record(f"409 conflicts ({edits} concurrent edits) -> Ready", time.monotonic() - started)
     names = support.job_names(kube_api, namespace)
     assert len(names) == len(set(names))
@@ -500,7 +503,7 @@ def test_conflicting_writes_are_retried_without_duplicates(
 def test_an_api_server_restart_mid_serialization_loses_nothing(
     kube_api: k8s.ApiClient,
     cluster: LocalCluster,
-    operator: Operator,
+    operator: OperatorProcess,
     workspace: str,
     store: support.Store,
     engine_switchboard: EngineControl,
@@ -515,12 +518,12 @@ def test_an_api_server_restart_mid_serialization_loses_nothing(
     started = time.monotonic()
     restart_apiserver_between_heartbeats(kube_api, cluster)
     engine_switchboard.release()
-    resource = support.wait_ready(kube_api, namespace, "llama", operator)
+    resource = shm.wait_ready(kube_api, namespace, "llama", operator=operator)
     support.record("API server restarted mid-serialization -> Ready", time.monotonic() - started)
     entry = support.only_set(resource)
     assert (entry["serializeRun"], entry["verifyRun"]) == (1, 2)
     assert len(serialize_jobs(kube_api, namespace)) == 1
-    assert operator.running()
+    assert operator.alive()
 
 
 def test_the_runner_heartbeat_outlives_an_api_server_restart(
@@ -549,7 +552,7 @@ def test_the_runner_heartbeat_outlives_an_api_server_restart(
 
 def test_retention_delete_removes_a_set_whose_key_is_also_used_under_another_prefix(
     kube_api: k8s.ApiClient,
-    operator: Operator,
+    operator: OperatorProcess,
     workspace: str,
     store: support.Store,
     s3_bucket: S3Bucket,
@@ -559,7 +562,7 @@ def test_retention_delete_removes_a_set_whose_key_is_also_used_under_another_pre
     copy_set(s3_bucket, shared_set, prefix)
     body = support.spec(store, prefix, targets=(), storage={"retention": "Delete"})
     shm.create(kube_api, workspace, "doomed", body)
-    doomed = support.only_set(support.wait_ready(kube_api, workspace, "doomed", operator))
+    doomed = support.only_set(shm.wait_ready(kube_api, workspace, "doomed", operator=operator))
     assert (doomed["artifactKey"], doomed["uri"]) != (shared_set["artifactKey"], shared_set["uri"])
     assert doomed["artifactKey"] == shared_set["artifactKey"]
     shm.delete(kube_api, workspace, "doomed")
@@ -570,7 +573,7 @@ def test_retention_delete_removes_a_set_whose_key_is_also_used_under_another_pre
 @pytest.mark.parametrize("retention", ["Delete", "Retain"])
 def test_deleting_the_resource_while_its_job_runs(
     kube_api: k8s.ApiClient,
-    operator: Operator,
+    operator: OperatorProcess,
     workspace: str,
     store: support.Store,
     s3_bucket: S3Bucket,
@@ -588,7 +591,7 @@ def test_deleting_the_resource_while_its_job_runs(
     else:
         body = support.spec(store, SHARED, storage={"retention": "Retain"})
     shm.create(kube_api, namespace, "llama", body)
-    served = support.only_set(support.wait_ready(kube_api, namespace, "llama", operator))
+    served = support.only_set(shm.wait_ready(kube_api, namespace, "llama", operator=operator))
     stored = set_keys(s3_bucket, served)
     assert "manifest.json" in stored
 
@@ -633,7 +636,7 @@ def test_deleting_the_resource_while_its_job_runs(
 
 def test_a_terminating_namespace_is_no_reason_for_a_traceback(
     kube_api: k8s.ApiClient,
-    operator: Operator,
+    operator: OperatorProcess,
     store: support.Store,
     engine_switchboard: EngineControl,
 ) -> None:
@@ -661,5 +664,5 @@ def test_a_terminating_namespace_is_no_reason_for_a_traceback(
     log = support.until(
         reacted, "the operator to react to the vanished Job, or the namespace to go", timeout=90
     )
-    assert operator.running()
+    assert operator.alive()
     assert support.TRACEBACK not in log, log

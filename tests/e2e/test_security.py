@@ -18,9 +18,10 @@ from kubernetes import client as k8s
 from preshard import reasons
 from tests.e2e import support
 from tests.helm.conftest import Namespaces
-from tests.helm.support import Operator, Tool, ToolError, forbidden_requests
+from tests.helm.support import Tool, ToolError, forbidden_requests
 from tests.support import shardedmodels as shm
 from tests.support.cluster import plain
+from tests.support.operator import OperatorProcess
 from tests.support.podrunner import PodRunner
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
@@ -41,7 +42,7 @@ def secret_texts(api: k8s.ApiClient, namespace: str) -> dict[str, str]:
 
 def test_no_secret_value_appears_in_logs_args_status_events_or_annotations(
     kube_api: k8s.ApiClient,
-    operator: Operator,
+    operator: OperatorProcess,
     workspace: str,
     store: support.Store,
     pod_runner: PodRunner,
@@ -73,7 +74,7 @@ def test_no_secret_value_appears_in_logs_args_status_events_or_annotations(
     shm.create(kube_api, namespace, "encrypted", encrypted)
     shm.create(kube_api, namespace, "gated", gated)
 
-    support.wait_ready(kube_api, namespace, "encrypted", operator)
+    shm.wait_ready(kube_api, namespace, "encrypted", operator=operator)
     support.until(
         lambda: support.serving_pod(kube_api, namespace, "vllm"), "the encrypted set to be served"
     )
@@ -126,7 +127,7 @@ def neighbour(kube_api: k8s.ApiClient) -> Any:
 def test_nothing_in_another_namespace_can_be_targeted_or_referenced(
     kube_api: k8s.ApiClient,
     admin_kubectl: Tool,
-    operator: Operator,
+    operator: OperatorProcess,
     workspace: str,
     neighbour: str,
     store: support.Store,
@@ -163,11 +164,11 @@ def test_nothing_in_another_namespace_can_be_targeted_or_referenced(
         assert shm.gone(kube_api, namespace, "reach")
 
     shm.create(kube_api, namespace, "reach", support.spec(store, "shards"))
-    support.wait_condition(
-        kube_api, namespace, "reach", operator, "Ready", "False", reasons.TARGET_NOT_FOUND
+    shm.wait_condition(
+        kube_api, namespace, "reach", "Ready", "False", reasons.TARGET_NOT_FOUND, operator=operator
     )
     support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
-    support.wait_ready(kube_api, namespace, "reach", operator)
+    shm.wait_ready(kube_api, namespace, "reach", operator=operator)
     ours = shm.read_deployment(kube_api, namespace, "vllm")
     assert support.container_flags(ours)[1] == "tensorizer"
     after = shm.read_deployment(kube_api, neighbour, "vllm")

@@ -20,10 +20,10 @@ from preshard import reasons
 from preshard.devenv.s3server import start_s3_server
 from tests.e2e import support
 from tests.e2e.engine import EngineControl
-from tests.helm.support import Operator
 from tests.support import shardedmodels as shm
 from tests.support.cluster import RUNNER_NODE
 from tests.support.models import TinyModel, upload_model
+from tests.support.operator import OperatorProcess
 from tests.support.s3 import S3Bucket, create_bucket
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
@@ -89,7 +89,7 @@ def set_objects(bucket: S3Bucket, entry: dict[str, Any]) -> list[str]:
 
 def test_the_store_cut_off_during_upload(
     kube_api: k8s.ApiClient,
-    operator: Operator,
+    operator: OperatorProcess,
     outage_workspace: str,
     private_store: support.Store,
     private_bucket: S3Bucket,
@@ -133,7 +133,7 @@ def test_the_store_cut_off_during_upload(
     assert "manifest.json" not in set_objects(private_bucket, entry)
     started = time.monotonic()
     cordon(False)
-    resource = support.wait_ready(kube_api, namespace, "llama", operator)
+    resource = shm.wait_ready(kube_api, namespace, "llama", operator=operator)
     support.record("S3 server back -> second serialization -> Ready", time.monotonic() - started)
     entry = support.only_set(resource)
     assert (entry["serializeRun"], entry["stage"]) == (2, "Verified")
@@ -151,7 +151,7 @@ def init_restarts(pod: Any) -> int:
 
 def test_the_store_down_while_a_set_is_verified_and_loaded(
     kube_api: k8s.ApiClient,
-    operator: Operator,
+    operator: OperatorProcess,
     outage_workspace: str,
     private_store: support.Store,
 ) -> None:
@@ -161,7 +161,7 @@ def test_the_store_down_while_a_set_is_verified_and_loaded(
         private_store, f"down-{secrets.token_hex(3)}", verification={"intervalSeconds": 3}
     )
     shm.create(kube_api, namespace, "llama", body)
-    support.wait_ready(kube_api, namespace, "llama", operator)
+    shm.wait_ready(kube_api, namespace, "llama", operator=operator)
     serving = support.until(
         lambda: support.serving_pod(kube_api, namespace, "vllm"), "the patched pod to serve"
     )
@@ -174,8 +174,8 @@ def test_the_store_down_while_a_set_is_verified_and_loaded(
         namespace,
         {"spec": {"template": {"metadata": {"annotations": {"e2e/restarted": str(started)}}}}},
     )
-    resource = support.wait_condition(
-        kube_api, namespace, "llama", operator, "Degraded", "True", reasons.UNREACHABLE
+    resource = shm.wait_condition(
+        kube_api, namespace, "llama", "Degraded", "True", reasons.UNREACHABLE, operator=operator
     )
     support.record(
         "S3 server stopping -> periodic verify reports Unreachable", time.monotonic() - started
@@ -196,7 +196,7 @@ def test_the_store_down_while_a_set_is_verified_and_loaded(
 
     started = time.monotonic()
     private_store.server.restart()
-    support.wait_condition(kube_api, namespace, "llama", operator, "Degraded", "False")
+    shm.wait_condition(kube_api, namespace, "llama", "Degraded", "False", operator=operator)
 
     def new_pod_serving() -> Any | None:
         pod = support.serving_pod(kube_api, namespace, "vllm")

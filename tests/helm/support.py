@@ -6,11 +6,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Final, cast
 
 import yaml
@@ -18,8 +16,8 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
-from preshard.devenv import procs
-from tests.support.cluster import plain, wait_for
+from tests.support.cluster import plain
+from tests.support.operator import OperatorProcess
 
 ROOT: Final = Path(__file__).resolve().parents[2]
 CHART: Final = ROOT / "charts" / "preshard"
@@ -158,93 +156,20 @@ def copy_chart(target: Path, *, version: str) -> Path:
     return target
 
 
-@dataclass
-class Operator:
-    """`preshard run` as a local process, started with the args and environment of the chart's
-    Deployment and acting with the chart's ServiceAccount (its kubeconfig).
-
-    Only the liveness address changes: the chart's binds 0.0.0.0:8080, this one a free port on
-    loopback.
-    """
-
-    deployment: Manifest
-    kubeconfig: Path
-    work_dir: Path
-    name: str = "operator"
-    process: procs.Process | None = field(default=None, init=False)
-
-    def argv(self, liveness_url: str) -> list[str]:
-        """The container's command (resolved to this environment's entrypoint) and args."""
-        container = operator_container(self.deployment)
-        command = list(container.get("command") or [])
-        assert command == ["preshard"], f"the chart runs the preshard entrypoint: {command}"
-        entrypoint = Path(sys.executable).parent / command[0]
-        assert entrypoint.is_file(), f"{entrypoint} is not installed"
-        args = list(container.get("args") or [])
-        liveness = [i for i, arg in enumerate(args) if arg.startswith(LIVENESS_FLAG)]
-        assert len(liveness) == 1, f"the chart's args set the liveness endpoint once: {args}"
-        args[liveness[0]] = LIVENESS_FLAG + liveness_url
-        return [str(entrypoint), *args]
-
-    def env(self) -> dict[str, str]:
-        """The container's environment, the ServiceAccount's kubeconfig, and nothing else."""
-        home = self.work_dir / "home"
-        home.mkdir(parents=True, exist_ok=True)
-        return {
-            "PATH": os.environ.get("PATH", ""),
-            "HOME": str(home),
-            "PYTHONUNBUFFERED": "1",
-            "KUBECONFIG": str(self.kubeconfig),
-            **container_env(operator_container(self.deployment)),
-        }
-
-    def start(self, *, timeout: float = 30.0) -> Operator:
-        """Start the operator and wait until its liveness endpoint answers."""
-        url = f"http://127.0.0.1:{procs.free_port()}/healthz"
-        self.process = procs.start(
-            self.name, self.argv(url), self.work_dir, env=self.env(), cwd=self.work_dir
-        )
-        try:
-            procs.wait_until(
-                lambda: procs.http_ok(url),
-                timeout=timeout,
-                what=f"the operator's liveness endpoint {url}",
-                process=self.process,
-            )
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        """Stop the operator by its own pid."""
-        if self.process is not None:
-            self.process.stop()
-
-    def running(self) -> bool:
-        """Whether the operator process is alive."""
-        return self.process is not None and self.process.alive()
-
-    def log(self) -> str:
-        """Everything the operator has logged."""
-        if self.process is None:
-            return ""
-        return self.process.log_path.read_text(errors="replace")
-
-    def log_tail(self, lines: int = 40) -> str:
-        """The end of the operator's log, for failure messages."""
-        return self.process.log_tail(lines) if self.process is not None else ""
-
-    def __enter__(self) -> Operator:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
+def chart_operator(deployment: Manifest, kubeconfig: Path, work_dir: Path) -> OperatorProcess:
+    """`preshard run` as a local process with the args and environment of the chart's
+    Deployment, acting with the chart's ServiceAccount (its kubeconfig) and seeing nothing of
+    this process's environment. Only the liveness address changes (a free loopback port)."""
+    container = operator_container(deployment)
+    command = list(container.get("command") or [])
+    assert command == ["preshard"], f"the chart runs the preshard entrypoint: {command}"
+    args = list(container.get("args") or [])
+    liveness = [arg for arg in args if arg.startswith(LIVENESS_FLAG)]
+    assert len(liveness) == 1, f"the chart's args set the liveness endpoint once: {args}"
+    home = work_dir / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    env = {"HOME": str(home), **container_env(container)}
+    return OperatorProcess(kubeconfig, work_dir, env, args=args, inherit_env=False)
 
 
 def can_i(kubectl: Tool, verb: str, resource: str, *scope: str) -> bool:
@@ -411,31 +336,6 @@ def is_ready(resource: Manifest | None) -> bool:
     """Whether a ShardedModel's Ready condition is True."""
     conditions = ((resource or {}).get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-
-def wait_ready(
-    api: k8s.ApiClient, namespace: str, name: str, operator: Operator, *, timeout: float = 60.0
-) -> Manifest:
-    """Wait until a ShardedModel is Ready; the failure shows its status and the operator's log."""
-
-    def ready() -> Manifest | None:
-        if not operator.running():
-            raise AssertionError(f"the operator exited; its log:\n{operator.log_tail()}")
-        found = get_sharded_model(api, namespace, name)
-        return found if is_ready(found) else None
-
-    try:
-        return wait_for(
-            ready,
-            timeout=timeout,
-            interval=0.25,
-            what=f"ShardedModel {namespace}/{name} to be Ready",
-        )
-    except TimeoutError as error:
-        status = (get_sharded_model(api, namespace, name) or {}).get("status")
-        raise AssertionError(
-            f"{error}\nstatus: {status}\noperator log:\n{operator.log_tail()}"
-        ) from None
 
 
 def deployment(api: k8s.ApiClient, namespace: str, name: str) -> Manifest:

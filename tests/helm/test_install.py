@@ -31,20 +31,21 @@ from tests.helm.support import (
     CHART,
     CRD_NAME,
     Manifest,
-    Operator,
     Release,
     Tool,
     adopt_crd,
     can_i,
+    chart_operator,
     copy_chart,
     create_workload,
     deployment,
     forbidden_requests,
     get_sharded_model,
     is_ready,
-    wait_ready,
 )
+from tests.support import shardedmodels as shm
 from tests.support.cluster import GPU_NODES, wait_for
+from tests.support.operator import OperatorProcess
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -105,12 +106,12 @@ def installation(
 
 def operator_for(
     release: Release, cluster: LocalCluster, api: k8s.ApiClient, work_dir: Path
-) -> Operator:
+) -> OperatorProcess:
     """The operator of a release, acting with a fresh token of the release's ServiceAccount."""
     kubeconfig = cluster.service_account_kubeconfig(
         release.namespace, release.service_account, path=work_dir / "operator.kubeconfig"
     )
-    return Operator(release.deployment(api), kubeconfig, work_dir)
+    return chart_operator(release.deployment(api), kubeconfig, work_dir)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,7 @@ def upgrade(
     work_dir = tmp_path_factory.mktemp("operator-previous")
     with operator_for(release, cluster, kube_api, work_dir) as operator:
         create_workload(kube_api, models, "survivor", target="vllm-survivor", revision="abc123")
-        wait_ready(kube_api, models, "survivor", operator)
+        shm.wait_ready(kube_api, models, "survivor", operator=operator)
     before = get_sharded_model(kube_api, models, "survivor")
     target_before = deployment(kube_api, models, "vllm-survivor")
     admin_helm.run(
@@ -233,7 +234,7 @@ def test_chart_rbac_is_enough_to_serve_and_restore_deployments(
     custom = k8s.CustomObjectsApi(kube_api)
     with operator_for(release, cluster, kube_api, tmp_path) as operator:
         create_workload(kube_api, models, "qwen", target="vllm", revision="def456")
-        wait_ready(kube_api, models, "qwen", operator)
+        shm.wait_ready(kube_api, models, "qwen", operator=operator)
 
         # The Deployment loads the shard set the way the chart's settings say.
         patched = deployment(kube_api, models, "vllm")["spec"]["template"]["spec"]

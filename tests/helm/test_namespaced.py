@@ -23,15 +23,15 @@ from tests.helm.support import (
     CHART,
     CRD_NAME,
     CRD_SOURCE,
-    Operator,
     Release,
     Tool,
     can_i,
+    chart_operator,
     create_workload,
     forbidden_requests,
     get_sharded_model,
-    wait_ready,
 )
+from tests.support import shardedmodels as shm
 from tests.support.cluster import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -143,10 +143,10 @@ def test_operator_serves_only_the_watched_namespaces(
     kubeconfig = cluster.service_account_kubeconfig(
         release.namespace, release.service_account, path=tmp_path / "operator.kubeconfig"
     )
-    with Operator(release.deployment(kube_api), kubeconfig, tmp_path) as operator:
+    with chart_operator(release.deployment(kube_api), kubeconfig, tmp_path) as operator:
         create_workload(kube_api, outside, "ignored", target="vllm", revision="abc123")
         create_workload(kube_api, team_a, "served", target="vllm", revision="abc123")
-        wait_ready(kube_api, team_a, "served", operator, timeout=READY_TIMEOUT)
+        shm.wait_ready(kube_api, team_a, "served", operator=operator, timeout=READY_TIMEOUT)
         ignored = get_sharded_model(kube_api, outside, "ignored")
         assert ignored is not None
         assert "finalizers" not in ignored["metadata"]

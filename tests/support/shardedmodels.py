@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from kubernetes import client as k8s
@@ -10,6 +11,7 @@ from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
 from tests.support.cluster import plain, wait_for
+from tests.support.operator import OperatorProcess
 
 
 def create(api: k8s.ApiClient, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -82,24 +84,49 @@ def wait_condition(
     status: str,
     reason: str | None = None,
     *,
+    operator: OperatorProcess | None = None,
     timeout: float = 60.0,
 ) -> dict[str, Any]:
-    """Wait until a condition has a status (and reason); returns the whole resource."""
+    """Wait until a condition has a status (and reason); returns the whole resource.
+
+    With `operator`, it must stay up meanwhile. A timeout shows the status, the namespace's
+    Jobs and the end of the operator's log.
+    """
 
     def check() -> dict[str, Any] | None:
+        if operator is not None and not operator.alive():
+            raise AssertionError(f"the operator exited; its log:\n{operator.log_tail()}")
         resource = get(api, namespace, name)
-        found = condition(resource, type_)
-        if found and found["status"] == status and (reason is None or found["reason"] == reason):
-            return resource
-        return None
+        found = condition(resource, type_) or {}
+        matches = found.get("status") == status and reason in (None, found.get("reason"))
+        return resource if matches else None
 
     try:
-        return wait_for(check, timeout=timeout, what=f"{type_}={status} ({reason})")
-    except TimeoutError:
-        current = (get(api, namespace, name).get("status") or {}).get("conditions")
-        raise TimeoutError(
-            f"{type_} never became {status}/{reason}; conditions: {current}"
+        return wait_for(
+            check, timeout=timeout, interval=0.25, what=f"{name}: {type_}={status} ({reason})"
+        )
+    except TimeoutError as error:
+        current = get(api, namespace, name).get("status")
+        job_states = [
+            (j["metadata"]["name"], j.get("status", {}).get("conditions"))
+            for j in jobs(api, namespace)
+        ]
+        log = f"\noperator log:\n{operator.log_tail(60)}" if operator is not None else ""
+        raise AssertionError(
+            f"{error}\nstatus: {json.dumps(current, indent=1)}\njobs: {job_states}{log}"
         ) from None
+
+
+def wait_ready(
+    api: k8s.ApiClient,
+    namespace: str,
+    name: str,
+    *,
+    operator: OperatorProcess | None = None,
+    timeout: float = 90.0,
+) -> dict[str, Any]:
+    """Wait for Ready=True (see `wait_condition`)."""
+    return wait_condition(api, namespace, name, "Ready", "True", operator=operator, timeout=timeout)
 
 
 VLLM_CONTAINER: dict[str, Any] = {
