@@ -241,17 +241,8 @@ class LocalCluster:
     def _prepare(self) -> None:
         for sub in ("pki", "logs", "kubeconfigs", "etcd", "kwok"):
             (self.work_dir / sub).mkdir(parents=True, exist_ok=True)
-        self._ports = {
-            name: procs.free_port()
-            for name in (
-                "etcd",
-                "etcd-peer",
-                "apiserver",
-                "controller-manager",
-                "scheduler",
-                "kwok",
-            )
-        }
+        names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
+        self._ports = dict(zip(names, procs.free_ports(len(names)), strict=True))
         ca = pki.CertificateAuthority.create()
         ca.write(self.ca_cert, self.pki_dir / "ca.key")
         self._ca = ca

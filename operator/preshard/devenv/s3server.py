@@ -16,6 +16,9 @@ from pathlib import Path
 
 from preshard.devenv import procs
 
+_LAUNCH_ATTEMPTS = 3
+_BIND_FAILURE = "address already in use"
+
 
 @dataclass(frozen=True)
 class S3Credentials:
@@ -108,8 +111,36 @@ def start_s3_server(
         )
     )
     identities.chmod(0o600)
-    ports = {name: procs.free_port() for name in ("master", "volume", "filer", "s3")}
-    grpc = {name: procs.free_port() for name in ("master", "volume", "filer", "s3")}
+    for attempt in range(_LAUNCH_ATTEMPTS):
+        # A failed start may leave cluster state naming its ports; each start begins clean.
+        shutil.rmtree(data_dir / "data", ignore_errors=True)
+        (data_dir / "data").mkdir()
+        argv, endpoint = _server_argv(data_dir, identities)
+        process = _launch(data_dir, argv)
+        try:
+            _wait_ready(endpoint, process)
+            break
+        except procs.DevEnvError:
+            process.stop()
+            # A port chosen free can be taken by another process before SeaweedFS binds it;
+            # fresh ports fix that, anything else is a real failure.
+            if attempt + 1 == _LAUNCH_ATTEMPTS or _BIND_FAILURE not in process.log_tail(lines=200):
+                raise
+    return S3Server(
+        endpoint=endpoint,
+        region=region,
+        credentials=credentials,
+        process=process,
+        data_dir=data_dir,
+    )
+
+
+def _server_argv(data_dir: Path, identities: Path) -> tuple[list[str], str]:
+    """The `weed server` command line on fresh loopback ports, and its S3 endpoint."""
+    names = ("master", "volume", "filer", "s3")
+    chosen = procs.free_ports(2 * len(names))
+    ports = dict(zip(names, chosen[: len(names)], strict=True))
+    grpc = dict(zip(names, chosen[len(names) :], strict=True))
     argv = [
         weed_binary(),
         "server",
@@ -135,21 +166,7 @@ def start_s3_server(
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
     ]
-    (data_dir / "data").mkdir(exist_ok=True)
-    process = _launch(data_dir, argv)
-    endpoint = f"http://127.0.0.1:{ports['s3']}"
-    try:
-        _wait_ready(endpoint, process)
-    except procs.DevEnvError:
-        process.stop()
-        raise
-    return S3Server(
-        endpoint=endpoint,
-        region=region,
-        credentials=credentials,
-        process=process,
-        data_dir=data_dir,
-    )
+    return argv, f"http://127.0.0.1:{ports['s3']}"
 
 
 def _launch(data_dir: Path, argv: list[str]) -> procs.Process:
