@@ -7,17 +7,30 @@ load before and after, and the commit, so two runs can be compared with care.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+import boto3
+from tests.support.s3 import create_bucket
+
+from preshard.devenv.s3server import S3Server, start_s3_server
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import ObjectIdentifierTypeDef
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 RESULTS_DIR: Final = ROOT / "benchmarks" / "results"
@@ -62,6 +75,17 @@ def best_of(repeats: int, action: Callable[[], object]) -> float:
         action()
         times.append(watch.elapsed)
     return min(times)
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """The median, the smallest and the largest of repeated measurements."""
+    if not values:
+        raise ValueError("no values")
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+    }
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -197,3 +221,82 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Cell]]) -> str:
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Cell]]) -> None:
     """Print a titled table to stdout."""
     print(f"\n{title}\n{format_table(headers, rows)}", flush=True)
+
+
+# The S3 server the data-plane benchmarks write to ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class S3Store:
+    """One bucket on an S3 server. The endpoint and credentials are in this process's
+    environment (`AWS_ENDPOINT_URL_S3`, `AWS_ACCESS_KEY_ID`, ...), where boto3, tensorizer and
+    `preshard` all find them, as they do in a pod."""
+
+    endpoint: str
+    bucket: str
+    server: S3Server | None
+    """The server the benchmark started itself; None for one it was given."""
+
+    def client(self) -> S3Client:
+        """A boto3 client with boto3's defaults."""
+        return boto3.client("s3", endpoint_url=self.endpoint)
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every object and unfinished upload under `prefix/`."""
+        client = self.client()
+        base = prefix.strip("/") + "/"
+        for uploads in client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=base
+        ):
+            for upload in uploads.get("Uploads", []):
+                client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                )
+        for listing in client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=base
+        ):
+            keys: list[ObjectIdentifierTypeDef] = [
+                {"Key": obj["Key"]} for obj in listing.get("Contents", [])
+            ]
+            if keys:
+                client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+
+    def reclaim_space(self) -> None:
+        """Give the disk space of deleted objects back, on a server this benchmark started.
+
+        SeaweedFS only marks deleted objects until its master compacts the volumes (by default
+        every 14 minutes, for volumes over 30 % garbage); a benchmark that writes many
+        gigabytes would fill the disk before that, so it asks for a compaction itself.
+        """
+        if self.server is None:
+            return
+        argv = self.server.process.popen.args
+        words = [str(arg) for arg in argv] if isinstance(argv, list | tuple) else []
+        port = next(w.partition("=")[2] for w in words if w.startswith("-master.port="))
+        url = f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.001"
+        with urllib.request.urlopen(url, timeout=1800) as response:
+            response.read()
+
+
+@contextlib.contextmanager
+def s3_store(endpoint: str | None, bucket: str | None) -> Iterator[S3Store]:
+    """The S3 server and bucket a data-plane benchmark writes to.
+
+    With `endpoint`, an existing server whose credentials are already in the environment and
+    an existing `bucket`. Without, a fresh SeaweedFS on loopback with a random key pair (put
+    into this process's environment) and a new bucket, stopped and removed afterwards.
+    """
+    if endpoint:
+        if not bucket:
+            raise ValueError("an S3 endpoint needs the name of an existing bucket")
+        os.environ["AWS_ENDPOINT_URL_S3"] = endpoint
+        yield S3Store(endpoint=endpoint, bucket=bucket, server=None)
+        return
+    with tempfile.TemporaryDirectory(prefix="preshard-bench-s3-") as data:
+        server = start_s3_server(Path(data))
+        try:
+            os.environ.update(server.env())
+            created = create_bucket(server, bucket or "preshard-bench")
+            yield S3Store(endpoint=server.endpoint, bucket=created.name, server=server)
+        finally:
+            server.stop()

@@ -276,7 +276,12 @@ def _run_serialize(args: argparse.Namespace) -> int:
         )
         clients = S3Clients(
             control=_client(args),
-            transfer=_client(args, max_connections=transfer.concurrency + 8, botocore_attempts=1),
+            transfer=_client(
+                args,
+                max_connections=transfer.concurrency + 8,
+                botocore_attempts=1,
+                sign_payloads=False,
+            ),
         )
         return serialize(options, clients)
 
@@ -413,7 +418,11 @@ def _sigterm_raises() -> Iterator[None]:
 
 
 def _client(
-    args: argparse.Namespace, *, max_connections: int = 16, botocore_attempts: int = 4
+    args: argparse.Namespace,
+    *,
+    max_connections: int = 16,
+    botocore_attempts: int = 4,
+    sign_payloads: bool = True,
 ) -> S3Client:
     from preshard.dataplane.s3 import make_client  # noqa: PLC0415 - imports boto3
 
@@ -422,6 +431,7 @@ def _client(
         region=args.region,
         max_connections=max_connections,
         botocore_attempts=botocore_attempts,
+        sign_payloads=sign_payloads,
     )
 
 
