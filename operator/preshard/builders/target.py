@@ -281,6 +281,16 @@ def managed_view(deployment: Manifest, container_name: str | None) -> Manifest:
     }
 
 
+def generation_of(deployment: Manifest) -> int:
+    """The Deployment's `metadata.generation` (0 before the API server set one)."""
+    return int((deployment.get("metadata") or {}).get("generation") or 0)
+
+
+def identity_of(deployment: Manifest) -> tuple[str, int]:
+    """The Deployment's uid and generation: which object, and which version of its spec."""
+    return str((deployment.get("metadata") or {}).get("uid") or ""), generation_of(deployment)
+
+
 def deployment_patch(current: Manifest, desired: Manifest) -> list[Manifest]:
     """A JSON patch of the pod template and preshard's annotations, guarded by generation.
 
@@ -290,7 +300,7 @@ def deployment_patch(current: Manifest, desired: Manifest) -> list[Manifest]:
     the way. Annotations are set key by key, so other writers' annotations are kept.
     """
     ops: list[Manifest] = [
-        {"op": "test", "path": "/metadata/generation", "value": current["metadata"]["generation"]}
+        {"op": "test", "path": "/metadata/generation", "value": generation_of(current)}
     ]
     have = annotations_of(current)
     want = (desired.get("metadata") or {}).get("annotations") or {}

@@ -74,6 +74,9 @@ class DeploymentPatch:
 
     name: str
     patch: list[Manifest]
+    planned_from: tuple[str, int]
+    """The Deployment's uid and generation the patch was planned from (its `test` checks the
+    generation): a second patch from the same pair means the index has not caught up yet."""
     restore: bool = False
 
 
@@ -557,7 +560,11 @@ class _Planner:
             deployment, container_name
         ):
             self.plan.patches.append(
-                DeploymentPatch(name=name, patch=target.deployment_patch(deployment, desired))
+                DeploymentPatch(
+                    name=name,
+                    patch=target.deployment_patch(deployment, desired),
+                    planned_from=target.identity_of(deployment),
+                )
             )
             rollout = "in progress"
         else:
@@ -598,7 +605,10 @@ class _Planner:
             return
         self.plan.patches.append(
             DeploymentPatch(
-                name=name, patch=target.deployment_patch(deployment, restored), restore=True
+                name=name,
+                patch=target.deployment_patch(deployment, restored),
+                planned_from=target.identity_of(deployment),
+                restore=True,
             )
         )
 

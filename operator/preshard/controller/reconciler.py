@@ -7,6 +7,7 @@ kopf's thread pool. Every API call goes through `preshard.controller.kube`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,8 +33,9 @@ from preshard.settings import Settings
 
 ANNOTATION_SKIP_CLEANUP: Final = "preshard.dev/skip-cleanup"
 CONFLICT_RETRY_SECONDS: Final = 1.0
-# How long a Job this operator created counts as existing before the Job index shows it.
-CREATED_MEMORY_SECONDS: Final = 30.0
+# How long a write of this operator (a Job created, a Deployment patched) is remembered while
+# the watch stream that will show it catches up.
+RECENT_WRITE_SECONDS: Final = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,31 @@ class Result:
 
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
+
+
+class RecentWrites:
+    """Writes made in the last `RECENT_WRITE_SECONDS`, shared by kopf's worker threads.
+
+    An index lags behind the writes that change it; a pass that plans from it before it caught
+    up would repeat a write that was already made (and be refused). Keys name the write: a Job
+    by namespace and name, a Deployment patch by the uid and generation it was planned from.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._at: dict[tuple[str, ...], float] = {}
+
+    def __contains__(self, key: tuple[str, ...]) -> bool:
+        with self._lock:
+            made = self._at.get(key)
+            return made is not None and time.monotonic() - made < RECENT_WRITE_SECONDS
+
+    def remember(self, key: tuple[str, ...]) -> None:
+        """Record a write made now, and forget those too old to matter."""
+        now = time.monotonic()
+        with self._lock:
+            self._at = {k: t for k, t in self._at.items() if now - t < RECENT_WRITE_SECONDS}
+            self._at[key] = now
 
 
 @dataclass
@@ -65,7 +92,7 @@ class Reconciler:
         self.kube = client
         self.settings = settings
         self._written: dict[tuple[str, str], _Written] = {}
-        self._created: dict[tuple[str, str], float] = {}
+        self._recent = RecentWrites()
 
     def reconcile(self, body: Manifest, observed: Observed) -> Result:
         """One pass for one ShardedModel: decide, act, record."""
@@ -89,7 +116,7 @@ class Reconciler:
             status=status,
         )
         decided = plan(resource, observed, self.settings)
-        requeue = self._execute(decided, namespace)
+        requeue = self.execute(decided, namespace)
         self._write_status(namespace, name, raw_status, decided.status)
         if requeue is not None:
             decided.requeue_after = min(requeue, decided.requeue_after or requeue)
@@ -196,15 +223,15 @@ class Reconciler:
             )
         return events
 
-    def _execute(self, decided: Plan, namespace: str) -> float | None:
+    def execute(self, decided: Plan, namespace: str) -> float | None:
+        """Create and delete the plan's Jobs and patch its Deployments, skipping writes made a
+        moment ago that the indexes do not show yet; the delay before the next pass, if any."""
         requeue: float | None = None
         for job_name in decided.delete_jobs:
             self.kube.delete_job(namespace, job_name)
-        now = time.monotonic()
-        self._created = {k: t for k, t in self._created.items() if now - t < CREATED_MEMORY_SECONDS}
         for manifest in decided.create_jobs:
             job_name = manifest["metadata"]["name"]
-            if (namespace, job_name) in self._created:
+            if ("job", namespace, job_name) in self._recent:
                 # Created a moment ago; the Job index has not caught up yet.
                 continue
             try:
@@ -214,10 +241,18 @@ class Reconciler:
                 # first); nothing can start there, and the deletion handler takes over.
                 log.info("namespace %s is terminating; Job %s not created", namespace, job_name)
                 break
-            self._created[(namespace, job_name)] = now
+            self._recent.remember(("job", namespace, job_name))
             if created:
                 log.info("created Job %s/%s", namespace, job_name)
         for patch in decided.patches:
+            uid, generation = patch.planned_from
+            written = ("deployment", namespace, patch.name, uid, str(generation))
+            if written in self._recent:
+                # Patched from this version a moment ago; the Deployment index still shows the
+                # old one. Its watch event wakes this resource again.
+                requeue = CONFLICT_RETRY_SECONDS
+                decided.events = [e for e in decided.events if patch.name not in e.message]
+                continue
             try:
                 self.kube.patch_deployment(namespace, patch.name, patch.patch)
             except (kube.ConflictError, kube.NotFoundError) as error:
@@ -225,6 +260,8 @@ class Reconciler:
                 log.info("%s", error)
                 requeue = CONFLICT_RETRY_SECONDS
                 decided.events = [e for e in decided.events if patch.name not in e.message]
+                continue
+            self._recent.remember(written)
         return requeue
 
     def _known_status(self, namespace: str, name: str, seen: Manifest) -> Manifest:
