@@ -64,7 +64,7 @@ class Interest:
 
 @dataclass
 class Wakeups:
-    """One asyncio event per running reconciler, set by the watch handlers.
+    """One asyncio event per running reconciler, set by the watch handlers (on the event loop).
 
     A Deployment event wakes the reconcilers that name it, own it, or select by label in its
     namespace, found through maps rather than by asking every ShardedModel.
@@ -162,8 +162,14 @@ def close(memo: kopf.Memo, **_: Any) -> None:
         api.close()
 
 
+# The index and watch handlers are coroutines although they do no I/O: kopf runs a plain
+# function in its thread pool, so every watch event would wait there behind busy threads and the
+# indexes would fall behind the writes under load; and the asyncio events that wake the
+# reconcilers may only be set from the event loop.
+
+
 @kopf.index("batch", "v1", "jobs", labels=OWNED)
-def job_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: Any) -> Any:
+async def job_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: Any) -> Any:
     """Jobs of each ShardedModel: `(namespace, name) -> JobView` (without pods)."""
     owner = labels.get(LABEL_SHARDEDMODEL)
     if owner is None or namespace is None:
@@ -172,7 +178,7 @@ def job_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: 
 
 
 @kopf.index("", "v1", "pods", labels=OWNED)
-def pod_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: Any) -> Any:
+async def pod_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: Any) -> Any:
     """Pods of each Job: `(namespace, job name) -> PodView`."""
     job_name = next((labels[k] for k in JOB_NAME_LABELS if k in labels), None)
     if job_name is None or namespace is None:
@@ -181,13 +187,13 @@ def pod_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: 
 
 
 @kopf.index("apps", "v1", "deployments")
-def deployment_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> Any:
+async def deployment_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> Any:
     """Deployments by namespace: `namespace -> (name, manifest)`."""
-    return {namespace or "": (name, trim(copy.deepcopy(dict(body))))}
+    return {namespace or "": (name, copy.deepcopy(trim(body)))}
 
 
 @kopf.index(models.GROUP, models.VERSION, models.PLURAL)
-def shard_set_index(namespace: str | None, name: str, status: kopf.Status, **_: Any) -> Any:
+async def shard_set_index(namespace: str | None, name: str, status: kopf.Status, **_: Any) -> Any:
     """Shard sets in use: `set URI -> (namespace, name)` of each ShardedModel that lists it.
 
     By URI, not artifact key: the same key under another storage prefix is another set.
@@ -201,7 +207,9 @@ def shard_set_index(namespace: str | None, name: str, status: kopf.Status, **_: 
 
 @kopf.on.event("batch", "v1", "jobs", labels=OWNED)
 @kopf.on.event("", "v1", "pods", labels=OWNED)
-def owned_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+async def owned_changed(
+    namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+) -> None:
     """A Job or pod of ours changed: wake its ShardedModel."""
     owner = labels.get(LABEL_SHARDEDMODEL)
     if owner is not None and namespace is not None:
@@ -209,7 +217,7 @@ def owned_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, *
 
 
 @kopf.on.event("apps", "v1", "deployments")
-def deployment_changed(
+async def deployment_changed(
     namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any
 ) -> None:
     """A Deployment changed: wake the ShardedModels that may target it."""
@@ -217,7 +225,7 @@ def deployment_changed(
 
 
 @kopf.on.event(models.GROUP, models.VERSION, models.PLURAL)
-def resource_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def resource_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """A ShardedModel changed (spec, annotations or our own status write): reconcile it."""
     memo.wakeups.wake((namespace or "", name))
 
