@@ -2,8 +2,9 @@
 
 Under load the operator's indexes lag behind its own writes; a pass planned from a stale index
 would create the same Job again (409) or patch the same Deployment again (422, then a read to
-tell a failed `test` from a bad patch). These tests run the reconciler's executor against the
-real API server with plans made from a stale view, and count the requests it sends.
+tell a failed `test` from a bad patch), and would retry a patch refused as stale from the same
+stale version. These tests run the reconciler's executor against the real API server with plans
+made from a stale view, and count the requests it sends.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from preshard.builders import target
 from preshard.builders.common import Manifest
 from preshard.controller import kube
 from preshard.controller.plan import DeploymentPatch, Event, Plan
-from preshard.controller.reconciler import CONFLICT_RETRY_SECONDS, Reconciler
+from preshard.controller.reconciler import RECENT_WRITE_SECONDS, Reconciler
 from preshard.settings import Settings
 
 pytestmark = pytest.mark.cluster
@@ -91,7 +92,7 @@ def test_a_deployment_is_not_patched_twice_from_the_same_version(
     assert [e.reason for e in first.events] == ["Patched"]
 
     again = _patch_plan(stale, "one")
-    assert reconciler.execute(again, namespace) == CONFLICT_RETRY_SECONDS
+    assert reconciler.execute(again, namespace) == RECENT_WRITE_SECONDS
     assert (len(patches), len(reads)) == (1, 0), "the stale plan sent a request"
     assert again.events == [], "an event for a patch that was not sent"
 
@@ -102,6 +103,30 @@ def test_a_deployment_is_not_patched_twice_from_the_same_version(
     assert len(patches) == 2
     env = reconciler.kube.get_deployment(namespace, "vllm")["spec"]["template"]["spec"]
     assert env["containers"][0]["env"] == [{"name": "MARK", "value": "two"}]
+
+
+def test_a_patch_refused_as_stale_is_not_retried_from_the_same_version(
+    kube_api: k8s.ApiClient, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reconciler = Reconciler(kube.Kube(kube_api), Settings())
+    stale = _deployment(reconciler, kube_api, namespace)
+    k8s.AppsV1Api(kube_api).patch_namespaced_deployment(
+        "vllm", namespace, {"spec": {"template": {"metadata": {"labels": {"edited": "yes"}}}}}
+    )
+    patches = _counted(reconciler, "patch_deployment", monkeypatch)
+    reads = _counted(reconciler, "get_deployment", monkeypatch)
+
+    for _ in range(3):
+        refused = _patch_plan(stale, "one")
+        assert reconciler.execute(refused, namespace) == RECENT_WRITE_SECONDS
+        assert refused.events == [], "an event for a refused patch"
+    assert (len(patches), len(reads)) == (1, 1), "the refusal was retried from the same version"
+
+    current = reconciler.kube.get_deployment(namespace, "vllm")
+    assert reconciler.execute(_patch_plan(current, "two"), namespace) is None
+    assert len(patches) == 2
+    labels = reconciler.kube.get_deployment(namespace, "vllm")["spec"]["template"]["metadata"]
+    assert labels["labels"]["edited"] == "yes"
 
 
 def test_a_job_is_not_created_twice_while_the_index_catches_up(

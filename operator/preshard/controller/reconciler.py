@@ -32,7 +32,7 @@ from preshard.controller.plan import (
 from preshard.settings import Settings
 
 ANNOTATION_SKIP_CLEANUP: Final = "preshard.dev/skip-cleanup"
-CONFLICT_RETRY_SECONDS: Final = 1.0
+NOT_FOUND_RETRY_SECONDS: Final = 1.0
 # How long a write of this operator (a Job created, a Deployment patched) is remembered while
 # the watch stream that will show it catches up.
 RECENT_WRITE_SECONDS: Final = 30.0
@@ -248,17 +248,25 @@ class Reconciler:
             uid, generation = patch.planned_from
             written = ("deployment", namespace, patch.name, uid, str(generation))
             if written in self._recent:
-                # Patched from this version a moment ago; the Deployment index still shows the
-                # old one. Its watch event wakes this resource again.
-                requeue = CONFLICT_RETRY_SECONDS
+                # Patched, or refused as stale, from this version a moment ago: the Deployment
+                # index still shows the old one. Its watch event wakes this resource again; the
+                # timer only covers a lost event.
+                requeue = _sooner(requeue, RECENT_WRITE_SECONDS)
                 decided.events = [e for e in decided.events if patch.name not in e.message]
                 continue
             try:
                 self.kube.patch_deployment(namespace, patch.name, patch.patch)
-            except (kube.ConflictError, kube.NotFoundError) as error:
-                # The watch stream brings the new version; plan again from it.
+            except kube.ConflictError as error:
+                # Someone else moved the Deployment on. Until the watch stream brings the new
+                # version, a plan from this one would only be refused again.
                 log.info("%s", error)
-                requeue = CONFLICT_RETRY_SECONDS
+                self._recent.remember(written)
+                requeue = _sooner(requeue, RECENT_WRITE_SECONDS)
+                decided.events = [e for e in decided.events if patch.name not in e.message]
+                continue
+            except kube.NotFoundError as error:
+                log.info("%s", error)
+                requeue = _sooner(requeue, NOT_FOUND_RETRY_SECONDS)
                 decided.events = [e for e in decided.events if patch.name not in e.message]
                 continue
             self._recent.remember(written)
@@ -284,6 +292,10 @@ class Reconciler:
         self.kube.patch_status(namespace, name, after)
         self._written[(namespace, name)] = _Written(before=before, after=after)
         return True
+
+
+def _sooner(current: float | None, delay: float) -> float:
+    return delay if current is None else min(current, delay)
 
 
 def now_utc() -> datetime:
