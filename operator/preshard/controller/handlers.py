@@ -64,7 +64,7 @@ class Interest:
 
 @dataclass
 class Wakeups:
-    """One asyncio event per running reconciler, set by the watch handlers (on the event loop).
+    """One asyncio event per running reconciler, set by the watch handlers.
 
     A Deployment event wakes the reconcilers that name it, own it, or select by label in its
     namespace, found through maps rather than by asking every ShardedModel.
@@ -162,10 +162,9 @@ def close(memo: kopf.Memo, **_: Any) -> None:
         api.close()
 
 
-# The index and watch handlers are coroutines although they do no I/O: kopf runs a plain
-# function in its thread pool, so every watch event would wait there behind busy threads and the
-# indexes would fall behind the writes under load; and the asyncio events that wake the
-# reconcilers may only be set from the event loop.
+# The index handlers are coroutines although they do no I/O: kopf runs a plain function in its
+# thread pool, so every watch event would wait there behind busy threads and the indexes would
+# fall behind the writes under load.
 
 
 @kopf.index("batch", "v1", "jobs", labels=OWNED)
@@ -207,9 +206,7 @@ async def shard_set_index(namespace: str | None, name: str, status: kopf.Status,
 
 @kopf.on.event("batch", "v1", "jobs", labels=OWNED)
 @kopf.on.event("", "v1", "pods", labels=OWNED)
-async def owned_changed(
-    namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
-) -> None:
+def owned_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     """A Job or pod of ours changed: wake its ShardedModel."""
     owner = labels.get(LABEL_SHARDEDMODEL)
     if owner is not None and namespace is not None:
@@ -217,7 +214,7 @@ async def owned_changed(
 
 
 @kopf.on.event("apps", "v1", "deployments")
-async def deployment_changed(
+def deployment_changed(
     namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any
 ) -> None:
     """A Deployment changed: wake the ShardedModels that may target it."""
@@ -225,7 +222,7 @@ async def deployment_changed(
 
 
 @kopf.on.event(models.GROUP, models.VERSION, models.PLURAL)
-async def resource_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+def resource_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """A ShardedModel changed (spec, annotations or our own status write): reconcile it."""
     memo.wakeups.wake((namespace or "", name))
 
