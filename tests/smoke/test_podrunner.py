@@ -97,14 +97,11 @@ def test_a_missing_secret_is_a_create_container_config_error(
     core.create_namespaced_pod(namespace, _pod("needs-secret", [container]))
 
     def config_error(pod: Any) -> bool:
-        # In a new namespace the service account's `kube-root-ca.crt` ConfigMap, which every
-        # pod mounts, may not be published yet: that is the first error until it is.
         statuses = pod.status.container_statuses or []
         return (
             bool(statuses)
             and statuses[0].state.waiting is not None
             and (statuses[0].state.waiting.reason == "CreateContainerConfigError")
-            and "kube-root-ca.crt" not in (statuses[0].state.waiting.message or "")
         )
 
     pod = wait_for_pod(kube_api, namespace, "needs-secret", config_error, what="config error")

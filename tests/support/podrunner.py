@@ -29,7 +29,9 @@ Supported, with the kubelet's semantics:
   Every container also gets the runner's `extra_env` (like an image's environment: the
   container's own `env` wins), `HOME` and `TMPDIR` in the pod's directory, and a minimal PATH;
   the test process's own environment is NOT inherited.
-- Volumes: `emptyDir` (a directory per pod), `secret` and `configMap` (`items`, `mode`,
+- Volumes: a Secret or ConfigMap a volume needs that does not exist yet keeps the pod's
+  containers waiting in `ContainerCreating`, as the kubelet does, and is retried every second.
+  `emptyDir` (a directory per pod), `secret` and `configMap` (`items`, `mode`,
   `defaultMode`, `optional`; Secret and token files keep only the owner's permission bits, so
   the API server's default 0644 becomes 0600), `projected` (secrets, configMaps,
   `downwardAPI` field items and `serviceAccountToken`, a real bound token from the
@@ -51,7 +53,7 @@ Supported, with the kubelet's semantics:
 Not supported: images (every container runs on this machine), probes (a running container is
 Ready), lifecycle hooks, resource limits, sidecar init containers (`restartPolicy: Always` on
 an init container), ephemeral containers, PersistentVolumeClaims and other volume types (a
-pod using one stays Pending with `CreateContainerConfigError`), read-only mounts (not
+pod using one stays Pending in `ContainerCreating`), read-only mounts (not
 enforced), `resourceFieldRef`, service environment variables, networking (processes share the
 machine's loopback), pods that were already Running before the runner started (left alone).
 """
@@ -252,7 +254,8 @@ class PodRun:
     def _run(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._publish()
-        if not self._wait_configured(self._mount_volumes):
+        # Like the kubelet, a volume that cannot be mounted yet keeps the pod creating.
+        if not self._wait_configured(self._mount_volumes, reason="ContainerCreating"):
             return
         for run in self.init_runs:
             if not self._run_init(run):
@@ -266,7 +269,11 @@ class PodRun:
         self._supervise()
 
     def _wait_configured(
-        self, attempt: Callable[[], None], run: ContainerRun | None = None
+        self,
+        attempt: Callable[[], None],
+        run: ContainerRun | None = None,
+        *,
+        reason: str = "CreateContainerConfigError",
     ) -> bool:
         """Retry a step that fails with ConfigError until it works or the pod goes away."""
         while not self._stopping():
@@ -275,9 +282,7 @@ class PodRun:
                 return True
             except ConfigError as error:
                 for waiting in [run] if run else self._pending_runs():
-                    waiting.state = {
-                        "waiting": {"reason": "CreateContainerConfigError", "message": str(error)}
-                    }
+                    waiting.state = {"waiting": {"reason": reason, "message": str(error)}}
                 self._publish()
                 self._sleep(_RETRY_SECONDS)
         return False

@@ -22,6 +22,7 @@ from preshard.builders.common import Manifest, Owner, ShardSet, child_name
 from preshard.controller import kube
 from preshard.controller.observe import JobView
 from preshard.controller.plan import (
+    DeploymentPatch,
     Event,
     Observed,
     Plan,
@@ -245,32 +246,36 @@ class Reconciler:
             if created:
                 log.info("created Job %s/%s", namespace, job_name)
         for patch in decided.patches:
-            uid, generation = patch.planned_from
-            written = ("deployment", namespace, patch.name, uid, str(generation))
-            if written in self._recent:
-                # Patched, or refused as stale, from this version a moment ago: the Deployment
-                # index still shows the old one. Its watch event wakes this resource again; the
-                # timer only covers a lost event.
-                requeue = _sooner(requeue, RECENT_WRITE_SECONDS)
+            retry = self._patch(namespace, patch)
+            if retry is not None:
+                # Not sent or refused: no event for it, and a look again later.
+                requeue = retry if requeue is None else min(requeue, retry)
                 decided.events = [e for e in decided.events if patch.name not in e.message]
-                continue
-            try:
-                self.kube.patch_deployment(namespace, patch.name, patch.patch)
-            except kube.ConflictError as error:
-                # Someone else moved the Deployment on. Until the watch stream brings the new
-                # version, a plan from this one would only be refused again.
-                log.info("%s", error)
-                self._recent.remember(written)
-                requeue = _sooner(requeue, RECENT_WRITE_SECONDS)
-                decided.events = [e for e in decided.events if patch.name not in e.message]
-                continue
-            except kube.NotFoundError as error:
-                log.info("%s", error)
-                requeue = _sooner(requeue, NOT_FOUND_RETRY_SECONDS)
-                decided.events = [e for e in decided.events if patch.name not in e.message]
-                continue
-            self._recent.remember(written)
         return requeue
+
+    def _patch(self, namespace: str, patch: DeploymentPatch) -> float | None:
+        """Patch a target unless that was done, or refused, from the same version a moment
+        ago; None when the patch is applied, else the delay before the next look."""
+        uid, generation = patch.planned_from
+        written = ("deployment", namespace, patch.name, uid, str(generation))
+        if written in self._recent:
+            # Patched, or refused as stale, from this version a moment ago: the Deployment index
+            # still shows the old one. Its watch event wakes this resource again; the timer only
+            # covers a lost event.
+            return RECENT_WRITE_SECONDS
+        try:
+            self.kube.patch_deployment(namespace, patch.name, patch.patch)
+        except kube.ConflictError as error:
+            # Someone else moved the Deployment on. Until the watch stream brings the new
+            # version, a plan from this one would only be refused again.
+            log.info("%s", error)
+            self._recent.remember(written)
+            return RECENT_WRITE_SECONDS
+        except kube.NotFoundError as error:
+            log.info("%s", error)
+            return NOT_FOUND_RETRY_SECONDS
+        self._recent.remember(written)
+        return None
 
     def _known_status(self, namespace: str, name: str, seen: Manifest) -> Manifest:
         # A status written a moment ago may not be back through the watch stream yet; planning
@@ -292,10 +297,6 @@ class Reconciler:
         self.kube.patch_status(namespace, name, after)
         self._written[(namespace, name)] = _Written(before=before, after=after)
         return True
-
-
-def _sooner(current: float | None, delay: float) -> float:
-    return delay if current is None else min(current, delay)
 
 
 def now_utc() -> datetime:
