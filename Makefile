@@ -14,12 +14,14 @@ help: ## List the targets.
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-20s %s\n", $$1, $$2}'
 
 # The virtualenv, with uv inside it so no global tool is needed. Reinstalled when the pinned
-# requirements or the project's metadata change.
+# requirements or the project's metadata change. It ends by checking that no two installed
+# distributions claim one file (uv unpacks wheels in parallel; the last copy written would win).
 $(STAMP): requirements/dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check 'uv>=0.9,<1'
 	$(BIN)/uv pip sync --quiet --python $(BIN)/python requirements/dev.txt
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
+	$(DEVENV) check-install
 	@touch $@
 
 install: $(STAMP) ## Create .venv with the pinned dependencies.

@@ -1,4 +1,4 @@
-"""`python -m preshard.devenv up|down|status|build|tool-path`: the local environment by hand.
+"""`python -m preshard.devenv up|down|status|build|tool-path|check-install`: the local environment.
 
     up [--state-dir DIR]     start a cluster and an S3 server (bucket `preshard`) in the
                              background, building the binaries first if needed
@@ -9,6 +9,9 @@
     run-operator             run the operator against the current kube context; without one,
                              start the local environment first, install the CRD, and run it
                              there (what `make run` does)
+    check-install [--site-packages DIR]
+                             fail if two installed distributions claim the same file (what
+                             `make install` ends with)
 
 The state directory defaults to `.devenv/` in the current directory.
 """
@@ -20,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from preshard.devenv import background, binaries, demo
+from preshard.devenv import background, binaries, demo, installcheck
 from preshard.devenv.kubeconfig import api_client
 from preshard.devenv.procs import DevEnvError
 
@@ -92,6 +95,12 @@ def _tool_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_install(args: argparse.Namespace) -> int:
+    ok, lines = installcheck.check(args.site_packages)
+    print("\n".join(lines), file=sys.stdout if ok else sys.stderr, flush=True)
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the local environment's commands."""
     parser = argparse.ArgumentParser(
@@ -122,6 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
     tool = commands.add_parser("tool-path", help="print a cached binary's path, building it")
     tool.add_argument("tool", choices=sorted(binaries.TOOLS), metavar="TOOL")
     tool.set_defaults(handler=_tool_path)
+    text = "fail if two installed distributions claim the same file"
+    check = commands.add_parser("check-install", help=text, description=text)
+    check.add_argument(
+        "--site-packages",
+        type=Path,
+        action="append",
+        metavar="DIR",
+        help="a site-packages directory to read (repeatable; default: this interpreter's)",
+    )
+    check.set_defaults(handler=_check_install)
     return parser
 
 
