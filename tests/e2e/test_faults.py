@@ -9,7 +9,6 @@ does (an OOM kill, an eviction).
 from __future__ import annotations
 
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from preshard.devenv.controlplane import LocalCluster
 from preshard.devenv.nodes import TEST_NODE_LABEL
 from tests.e2e import support
 from tests.e2e.engine import EngineControl
+from tests.e2e.writegate import WriteGate
 from tests.helm.conftest import Namespaces
 from tests.support import shardedmodels as shm
 from tests.support.cluster import MANUAL_NODE, RUNNER_NODE, complete_pod, now
@@ -460,44 +460,59 @@ def test_the_target_deployment_deleted_recreated_and_edited_by_hand(
 
 
 def test_conflicting_writes_are_retried_without_duplicates(
-    kube_api: k8s.ApiClient, operator: OperatorProcess, workspace: str, store: support.Store
+    kube_api: k8s.ApiClient,
+    operator: OperatorProcess,
+    workspace: str,
+    store: support.Store,
+    tmp_path: Path,
 ) -> None:
+    """The user edits the target between the operator's read of it and its patch: the patch,
+    planned from the old generation, is refused, and the operator plans again from the new one.
+    The operator's patch waits at a gate while the edits land, so the conflict happens on every
+    run, however busy the machine is."""
     namespace = workspace
     apps = k8s.AppsV1Api(kube_api)
     support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
-    log_start = len(operator.log())
-    stop = threading.Event()
-    edits = 0
-
-    def edit_continuously() -> None:
-        nonlocal edits
-        while not stop.is_set():
-            apps.patch_namespaced_deployment(
-                "vllm", namespace, {"metadata": {"annotations": {"e2e/edit": str(edits)}}}
-            )
-            edits += 1
-
-    editor = threading.Thread(target=edit_continuously, daemon=True)
-    editor.start()
-    try:
+    gate = WriteGate(tmp_path)
+    edits = 3
+    with gate.installed(operator):
+        log_start = len(operator.log())
+        gate.hold(namespace, "vllm")
         shm.create(kube_api, namespace, "llama", support.spec(store, SHARED))
+        held = support.until(
+            lambda: gate.held(namespace, "vllm"), "the operator's patch of the target", 120
+        )
+        generation = shm.read_deployment(kube_api, namespace, "vllm")["metadata"]["generation"]
+        assert held[0] == {"op": "test", "path": "/metadata/generation", "value": generation}
+        for edit in range(edits):
+            # A change of the pod template moves the generation on, as any edit of the spec does.
+            mark = {"annotations": {"e2e/edit": str(edit)}}
+            apps.patch_namespaced_deployment(
+                "vllm", namespace, {"metadata": mark, "spec": {"template": {"metadata": mark}}}
+            )
+        gate.release(namespace, "vllm")
         support.until(
             lambda: "changed; retrying" in operator.log()[log_start:],
-            "the operator to meet a conflicting write (HTTP 409)",
-            timeout=60,
+            "the operator to meet the conflicting write",
         )
-    finally:
-        stop.set()
-        editor.join(timeout=10)
-    started = time.monotonic()
-    shm.wait_ready(kube_api, namespace, "llama", operator=operator)
-    support.record(f"409 conflicts ({edits} concurrent edits) -> Ready", time.monotonic() - started)
-    names = support.job_names(kube_api, namespace)
-    assert len(names) == len(set(names))
-    assert not any(n.endswith("-serialize-2") or n.endswith("-verify-3") for n in names), names
-    annotations = shm.read_deployment(kube_api, namespace, "vllm")["metadata"]["annotations"]
-    assert annotations["e2e/edit"] == str(edits - 1), "the user's edits are all kept"
-    support.forbid_tracebacks(operator)
+        started = time.monotonic()
+        shm.wait_ready(kube_api, namespace, "llama", operator=operator)
+        support.record(
+            f"conflicting write ({edits} edits while the patch was held) -> Ready",
+            time.monotonic() - started,
+        )
+        names = support.job_names(kube_api, namespace)
+        assert len(names) == len(set(names))
+        assert not any(n.endswith("-serialize-2") or n.endswith("-verify-3") for n in names), names
+        deployment = shm.read_deployment(kube_api, namespace, "vllm")
+        last = str(edits - 1)
+        annotations = deployment["metadata"]["annotations"]
+        assert annotations["e2e/edit"] == last, "the user's edits are kept"
+        template = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert template["e2e/edit"] == last, "the patch was planned again from the edited version"
+        tp, load_format, _ = support.container_flags(deployment)
+        assert (tp, load_format) == (2, "tensorizer")
+        support.forbid_tracebacks(operator)
 
 
 def test_an_api_server_restart_mid_serialization_loses_nothing(

@@ -35,12 +35,15 @@ class OperatorProcess:
         *,
         args: Sequence[str] = ("run",),
         inherit_env: bool = True,
+        entrypoint: Sequence[str] = (),
     ) -> None:
         self.kubeconfig = kubeconfig
         self.log_dir = log_dir
         self.extra_env = dict(env or {})
         self.args = list(args)
         self.inherit_env = inherit_env
+        self.entrypoint = list(entrypoint)
+        """The command that runs preshard; empty for the installed `preshard` entrypoint."""
         self.process: procs.Process | None = None
         self.port = 0
         self.starts = 0
@@ -56,8 +59,8 @@ class OperatorProcess:
         if LIVENESS in args:
             position = args.index(LIVENESS)
             del args[position : position + 2]
-        entrypoint = Path(sys.executable).with_name("preshard")
-        return [str(entrypoint), *args, f"{LIVENESS}={liveness_url}"]
+        entrypoint = self.entrypoint or [str(Path(sys.executable).with_name("preshard"))]
+        return [*entrypoint, *args, f"{LIVENESS}={liveness_url}"]
 
     def start(self, *, timeout: float = 60.0) -> OperatorProcess:
         """Start the operator and wait until its liveness endpoint answers."""
