@@ -273,7 +273,6 @@ def test_chart_rbac_is_enough_to_serve_and_restore_deployments(
         )
         wait_for(
             lambda: get_sharded_model(kube_api, models, "qwen") is None,
-            timeout=30,
             what="ShardedModel qwen to be deleted",
         )
         restored = deployment(kube_api, models, "vllm")["spec"]["template"]["spec"]
@@ -379,7 +378,6 @@ def test_namespace_editors_may_manage_sharded_models_and_viewers_read_them(
             can_i(editor, "create", "shardedmodels.preshard.dev", *scope)
             and can_i(viewer, "list", "shardedmodels.preshard.dev", *scope)
         ),
-        timeout=20,
         what="the aggregated ClusterRoles",
     )
     assert can_i(editor, "delete", "shardedmodels.preshard.dev", *scope)

@@ -68,7 +68,7 @@ def crd(kube_api: k8s.ApiClient, admin_kubectl: Tool) -> None:
     """The ShardedModel CRD applied from crds/, as GitOps would, unless it exists already."""
     if not _crd_established(kube_api):
         admin_kubectl.run("apply", "--server-side", "-f", str(CRD_SOURCE))
-        wait_for(lambda: _crd_established(kube_api), timeout=30, what="the CRD to be served")
+        wait_for(lambda: _crd_established(kube_api), what="the CRD to be served")
 
 
 @pytest.fixture(scope="module")

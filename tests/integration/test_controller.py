@@ -55,7 +55,7 @@ def job_named(api: k8s.ApiClient, namespace: str, suffix: str) -> dict[str, Any]
             (j for j in shm.jobs(api, namespace) if j["metadata"]["name"].endswith(suffix)), None
         )
 
-    return wait_for(find, timeout=30, what=f"a Job named *{suffix}")
+    return wait_for(find, what=f"a Job named *{suffix}")
 
 
 def finish(api: k8s.ApiClient, namespace: str, job: dict[str, Any], outcome: Outcome) -> None:
@@ -153,10 +153,10 @@ def test_hand_edits_are_reasserted_and_deletion_restores(
             and shm.flag(current, "--load-format") == "tensorizer"
         )
 
-    wait_for(reasserted, timeout=30, what="the hand edit to be re-asserted")
+    wait_for(reasserted, what="the hand edit to be re-asserted")
 
     shm.delete(kube_api, namespace, "llama")
-    wait_for(lambda: shm.gone(kube_api, namespace, "llama"), timeout=30, what="deletion")
+    wait_for(lambda: shm.gone(kube_api, namespace, "llama"), what="deletion")
     restored = shm.read_deployment(kube_api, namespace, "vllm")
     assert (
         restored["spec"]["template"]["spec"]["containers"]

@@ -235,7 +235,6 @@ def test_unknown_programs_are_servers_and_deletion_kills_processes(
     core.delete_namespaced_pod("server", namespace)
     wait_for(
         lambda: not core.list_namespaced_pod(namespace).items,
-        timeout=30,
         what="the pod to be removed",
     )
     with pytest.raises(ProcessLookupError):

@@ -35,11 +35,15 @@ def api_for(kubeconfig: Path) -> k8s.ApiClient:
 def wait_for(
     check: Callable[[], T | None],
     *,
-    timeout: float = 30.0,
+    timeout: float = 60.0,
     interval: float = 0.2,
     what: str = "the condition",
 ) -> T:
-    """Poll `check` until it returns something truthy, and return that."""
+    """Poll `check` until it returns something truthy, and return that.
+
+    The default limit is generous on purpose: on a busy machine (two cores, another test suite
+    beside this one) the control plane takes its time, and a wait that holds returns at once.
+    """
     deadline = time.monotonic() + timeout
     while True:
         value = check()
