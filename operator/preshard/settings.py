@@ -48,6 +48,10 @@ class Settings:
     model_dir: str = "/var/run/preshard/model"
     """Where the fetch-config init container puts the config and tokenizer files."""
 
+    tensorizer_dir: str = "/var/run/preshard/tensorizer"
+    """Where the init container puts the bundled tensorizer, on the vLLM container's
+    `PYTHONPATH` (the stock vLLM image has no tensorizer)."""
+
     namespaces: tuple[str, ...] = field(default_factory=tuple)
     """Namespaces to watch; empty means the whole cluster."""
 
@@ -101,6 +105,7 @@ class Settings:
             scratch_size=text("SCRATCH_SIZE", defaults.scratch_size),
             num_readers=number("NUM_READERS", defaults.num_readers, 1),
             model_dir=text("MODEL_DIR", defaults.model_dir),
+            tensorizer_dir=text("TENSORIZER_DIR", defaults.tensorizer_dir),
             namespaces=namespaces,
             cleanup_timeout_seconds=number(
                 "CLEANUP_TIMEOUT_SECONDS", defaults.cleanup_timeout_seconds, 0

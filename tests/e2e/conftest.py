@@ -19,13 +19,13 @@ from kubernetes import client as k8s
 
 from preshard.devenv import binaries, procs
 from preshard.devenv.controlplane import LocalCluster
+from preshard.devenv.podrunner import PodRunner
 from preshard.devenv.s3server import S3Server
 from tests.e2e import engine, support
 from tests.helm.conftest import Namespaces
 from tests.helm.support import CHART, Release, Tool, adopt_crd, chart_operator
 from tests.support.models import TinyModel, make_tiny_model, upload_model
 from tests.support.operator import OperatorProcess
-from tests.support.podrunner import PodRunner
 from tests.support.s3 import S3Bucket
 
 # Short back-offs and a short cleanup limit keep retries within a test's patience; a small

@@ -23,6 +23,7 @@ from kubernetes import client as k8s
 from tensorizer.serialization import CryptographyError
 
 from preshard import reasons
+from preshard.devenv.podrunner import PodRunner
 from preshard.outcome import Outcome
 from tests.e2e import support
 from tests.helm.support import Tool
@@ -30,7 +31,6 @@ from tests.support import shardedmodels as shm
 from tests.support.cluster import RUNNER_NODE
 from tests.support.models import TinyModel, assert_shards_match
 from tests.support.operator import OperatorProcess
-from tests.support.podrunner import PodRunner
 from tests.support.s3 import S3Bucket
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]

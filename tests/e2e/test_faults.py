@@ -20,6 +20,7 @@ from kubernetes import client as k8s
 from preshard import reasons
 from preshard.devenv.controlplane import LocalCluster
 from preshard.devenv.nodes import TEST_NODE_LABEL
+from preshard.devenv.podrunner import PodRunner
 from tests.e2e import support
 from tests.e2e.engine import EngineControl
 from tests.e2e.writegate import WriteGate
@@ -27,7 +28,6 @@ from tests.helm.conftest import Namespaces
 from tests.support import shardedmodels as shm
 from tests.support.cluster import MANUAL_NODE, RUNNER_NODE, complete_pod, now
 from tests.support.operator import OperatorProcess
-from tests.support.podrunner import PodRunner
 from tests.support.s3 import S3Bucket
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]

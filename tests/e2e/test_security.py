@@ -16,13 +16,13 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard import reasons
+from preshard.devenv.podrunner import PodRunner
 from tests.e2e import support
 from tests.helm.conftest import Namespaces
 from tests.helm.support import Tool, ToolError, forbidden_requests
 from tests.support import shardedmodels as shm
 from tests.support.cluster import plain
 from tests.support.operator import OperatorProcess
-from tests.support.podrunner import PodRunner
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
 

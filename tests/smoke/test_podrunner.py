@@ -10,6 +10,7 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard import __version__
+from preshard.devenv.podrunner import PathMap, PodRunner, expand
 from tests.support.cluster import (
     RUNNER_NODE,
     job_pods,
@@ -19,7 +20,6 @@ from tests.support.cluster import (
     wait_for_job,
     wait_for_pod,
 )
-from tests.support.podrunner import PathMap, PodRunner, expand
 
 pytestmark = pytest.mark.cluster
 

@@ -137,7 +137,9 @@ def test_bad_s3_uris_are_refused(uri: str) -> None:
 def test_shard_set_names() -> None:
     location = S3Location.parse("s3://bucket/shards").child("k1")
     assert location.uri == "s3://bucket/shards/k1/"
-    assert tensorizer_uri(location) == "s3://bucket/shards/k1/model-rank-%03d.tensors"
+    assert tensorizer_uri(location, 2) == "s3://bucket/shards/k1/model-rank-%03d.tensors"
+    # vLLM substitutes the rank only when TP > 1: a TP 1 server is given the file itself.
+    assert tensorizer_uri(location, 1) == "s3://bucket/shards/k1/model-rank-000.tensors"
     assert rank_file_names(3) == [
         "model-rank-000.tensors",
         "model-rank-001.tensors",

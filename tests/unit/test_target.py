@@ -132,6 +132,7 @@ def test_patch_points_the_container_at_the_shard_set() -> None:
             {"name": "HF_HOME", "value": "/cache"},
             *CREDENTIALS,
             {"name": "AWS_ENDPOINT_URL_S3", "value": "http://minio.storage:9000"},
+            {"name": "PYTHONPATH", "value": "/var/run/preshard/tensorizer"},
         ],
         "resources": {
             "requests": {"nvidia.com/gpu": "4", "cpu": "4"},
@@ -140,6 +141,11 @@ def test_patch_points_the_container_at_the_shard_set() -> None:
         "volumeMounts": [
             {"name": "cache", "mountPath": "/cache"},
             {"name": "preshard-model", "mountPath": "/var/run/preshard/model", "readOnly": True},
+            {
+                "name": "preshard-tensorizer",
+                "mountPath": "/var/run/preshard/tensorizer",
+                "readOnly": True,
+            },
         ],
     }
     assert pod["containers"][1] == {"name": "sidecar", "image": "envoy"}
@@ -154,6 +160,8 @@ def test_patch_points_the_container_at_the_shard_set() -> None:
                 "fetch-config",
                 f"s3://models/shards/{KEY}/",
                 "/var/run/preshard/model",
+                "--tensorizer-dir",
+                "/var/run/preshard/tensorizer",
                 "--endpoint",
                 "http://minio.storage:9000",
                 "--region",
@@ -164,7 +172,10 @@ def test_patch_points_the_container_at_the_shard_set() -> None:
                 "requests": {"cpu": "100m", "memory": "128Mi"},
                 "limits": {"memory": "256Mi"},
             },
-            "volumeMounts": [{"name": "preshard-model", "mountPath": "/var/run/preshard/model"}],
+            "volumeMounts": [
+                {"name": "preshard-model", "mountPath": "/var/run/preshard/model"},
+                {"name": "preshard-tensorizer", "mountPath": "/var/run/preshard/tensorizer"},
+            ],
             "securityContext": {
                 "allowPrivilegeEscalation": False,
                 "readOnlyRootFilesystem": True,
@@ -176,6 +187,7 @@ def test_patch_points_the_container_at_the_shard_set() -> None:
     assert pod["volumes"] == [
         {"name": "cache", "emptyDir": {}},
         {"name": "preshard-model", "emptyDir": {}},
+        {"name": "preshard-tensorizer", "emptyDir": {}},
     ]
     assert patched["spec"]["replicas"] == 3
     annotations = patched["metadata"]["annotations"]
@@ -353,3 +365,38 @@ def test_rollout_state_is_coarse() -> None:
     item["status"] = {"observedGeneration": 2, "updatedReplicas": 1, "replicas": 4}
     assert rollout_state(item) == "in progress"
     assert not rollout_complete(item)
+
+
+def test_the_bundled_tensorizer_goes_first_on_the_users_pythonpath() -> None:
+    original = deployment()
+    vllm = original["spec"]["template"]["spec"]["containers"][0]
+    vllm["env"].append({"name": "PYTHONPATH", "value": "/opt/plugins"})
+    patched = build_patched_deployment(original, target_input())
+    assert isinstance(patched, dict)
+    env = patched["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert [e for e in env if e["name"] == "PYTHONPATH"] == [
+        {"name": "PYTHONPATH", "value": "/var/run/preshard/tensorizer:/opt/plugins"}
+    ]
+    again = build_patched_deployment(patched, target_input())
+    assert again == patched
+    restored = build_restored_deployment(patched)
+    assert restored is not None
+    assert restored["spec"]["template"]["spec"]["containers"][0]["env"] == vllm["env"]
+
+
+def test_at_tp_1_the_rank_file_itself_is_named() -> None:
+    raw = target_input()
+    one = TargetInput(
+        owner=raw.owner,
+        spec=raw.spec,
+        shard_set=ShardSet.for_spec(raw.spec, 1, KEY),
+        settings=SETTINGS,
+        container="vllm",
+    )
+    patched = build_patched_deployment(deployment(), one)
+    assert isinstance(patched, dict)
+    args = patched["spec"]["template"]["spec"]["containers"][0]["args"]
+    extra = json.loads(args[args.index("--model-loader-extra-config") + 1])
+    # vLLM expands the %03d template only when TP > 1; at TP 1 it opens the URI as written.
+    assert extra["tensorizer_uri"] == f"s3://models/shards/{KEY}/model-rank-000.tensors"
+    assert args[args.index("--tensor-parallel-size") + 1] == "1"

@@ -836,6 +836,7 @@ def test_only_https_endpoints_go_into_the_json(endpoint: str | None, in_json: bo
         ({"num_readers": 0}, "at least 1"),
         ({"tensorizer_uri": "s3://models/shards/k/model.tensors"}, "rank template"),
         ({"tensorizer_uri": "s3://models/shards/k/model-rank-%d.tensors"}, "rank template"),
+        ({"tensor_parallel_size": 1}, "opens tensorizer_uri as written"),
     ],
 )
 def test_invalid_loads_are_rejected(changes: dict[str, Any], says: str) -> None:

@@ -61,7 +61,8 @@ OWNED_ANNOTATIONS: Final = (
 
 INIT_CONTAINER: Final = "preshard-fetch-config"
 MODEL_VOLUME: Final = "preshard-model"
-OWNED_VOLUMES: Final = (MODEL_VOLUME, ENCRYPTION_VOLUME)
+TENSORIZER_VOLUME: Final = "preshard-tensorizer"
+OWNED_VOLUMES: Final = (MODEL_VOLUME, TENSORIZER_VOLUME, ENCRYPTION_VOLUME)
 # Env vars preshard sets on the vLLM container (replacing any the user had).
 MANAGED_ENV: Final = (
     "AWS_ACCESS_KEY_ID",
@@ -71,6 +72,8 @@ MANAGED_ENV: Final = (
     "AWS_DEFAULT_REGION",
     "AWS_ENDPOINT_URL_S3",
 )
+# Set on the vLLM container too, but merged with the user's value instead of replacing it.
+PYTHONPATH_ENV: Final = "PYTHONPATH"
 INIT_RESOURCES: Final[Manifest] = {
     "requests": {"cpu": "100m", "memory": "128Mi"},
     "limits": {"memory": "256Mi"},
@@ -149,7 +152,9 @@ def tensorizer_load(target: TargetInput) -> TensorizerLoad:
     return TensorizerLoad(
         model_dir=settings.model_dir,
         tensor_parallel_size=target.shard_set.tensor_parallel_size,
-        tensorizer_uri=tensorizer_uri(target.shard_set.location),
+        tensorizer_uri=tensorizer_uri(
+            target.shard_set.location, target.shard_set.tensor_parallel_size
+        ),
         num_readers=spec.loading.num_readers or settings.num_readers,
         s3_endpoint=endpoint if endpoint and endpoint.startswith("https://") else None,
         encryption_keyfile=ENCRYPTION_KEYFILE if spec.encryption else None,
@@ -268,7 +273,11 @@ def managed_view(deployment: Manifest, container_name: str | None) -> Manifest:
         "annotations": {k: annotations.get(k) for k in OWNED_ANNOTATIONS if k != ANNOTATION_IMAGE},
         "command": container.get("command"),
         "args": container.get("args"),
-        "env": [e for e in container.get("env") or [] if e.get("name") in MANAGED_ENV],
+        "env": [
+            e
+            for e in container.get("env") or []
+            if e.get("name") in MANAGED_ENV or e.get("name") == PYTHONPATH_ENV
+        ],
         "limits": (container.get("resources") or {}).get("limits"),
         "requests": (container.get("resources") or {}).get("requests"),
         "mounts": [
@@ -352,9 +361,13 @@ def _apply_container(container: Manifest, target: TargetInput) -> None:
     # tensorizer refuses a plain-http endpoint passed as an argument; boto3 reads this one.
     if spec.storage.endpoint:
         env.append({"name": "AWS_ENDPOINT_URL_S3", "value": spec.storage.endpoint})
+    env = _with_tensorizer_on_path(env, target.settings.tensorizer_dir)
     _set_or_drop(container, "env", env or None)
     mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in OWNED_VOLUMES]
     mounts.append({"name": MODEL_VOLUME, "mountPath": target.settings.model_dir, "readOnly": True})
+    mounts.append(
+        {"name": TENSORIZER_VOLUME, "mountPath": target.settings.tensorizer_dir, "readOnly": True}
+    )
     if spec.encryption is not None:
         mounts.append(encryption_mount())
     container["volumeMounts"] = mounts
@@ -371,10 +384,15 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
             "fetch-config",
             target.shard_set.uri,
             settings.model_dir,
+            "--tensorizer-dir",
+            settings.tensorizer_dir,
             *s3_args(spec.storage),
         ],
         "resources": INIT_RESOURCES,
-        "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": settings.model_dir}],
+        "volumeMounts": [
+            {"name": MODEL_VOLUME, "mountPath": settings.model_dir},
+            {"name": TENSORIZER_VOLUME, "mountPath": settings.tensorizer_dir},
+        ],
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -387,9 +405,29 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
     pod_spec["initContainers"] = [*init, init_container]
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in OWNED_VOLUMES]
     volumes.append({"name": MODEL_VOLUME, "emptyDir": {}})
+    volumes.append({"name": TENSORIZER_VOLUME, "emptyDir": {}})
     if spec.encryption is not None:
         volumes.append(encryption_volume(spec.encryption))
     pod_spec["volumes"] = volumes
+
+
+def _with_tensorizer_on_path(env: list[Manifest], directory: str) -> list[Manifest]:
+    """`env` with the bundled tensorizer first on `PYTHONPATH`, keeping the user's entries.
+
+    The stock vLLM image has no tensorizer; the init container copies the version vLLM pins
+    into `directory`. Entries after it are the user's own, so a second patch finds them and
+    restoring the snapshot gives back exactly what the user wrote.
+    """
+    kept: list[Manifest] = []
+    user_path = ""
+    for entry in env:
+        if entry.get("name") == PYTHONPATH_ENV and "valueFrom" not in entry:
+            parts = [p for p in str(entry.get("value", "")).split(":") if p and p != directory]
+            user_path = ":".join(parts)
+        else:
+            kept.append(entry)
+    value = f"{directory}:{user_path}" if user_path else directory
+    return [*kept, {"name": PYTHONPATH_ENV, "value": value}]
 
 
 def _name(deployment: Manifest) -> str:

