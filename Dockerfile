@@ -17,11 +17,16 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY requirements/dev.txt requirements/dev.txt
+COPY requirements/dev.txt requirements/tensorizer-bundle.txt requirements/
 COPY operator operator
 # The lock file pins the control-plane dependencies to the versions the tests ran with.
+# The tensorizer bundle is not imported here: `fetch-config --tensorizer-dir` copies it into
+# patched vLLM pods, whose stock image has no tensorizer.
 RUN pip install --constraint requirements/dev.txt ".[s3]" \
+    && pip install --no-deps --target /opt/preshard/tensorizer-bundle \
+        -r requirements/tensorizer-bundle.txt \
     && cd / && rm -rf /src
+ENV PRESHARD_TENSORIZER_BUNDLE=/opt/preshard/tensorizer-bundle
 WORKDIR /
 USER 65532:65532
 ENTRYPOINT ["preshard"]

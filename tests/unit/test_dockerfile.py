@@ -62,3 +62,14 @@ def test_operator_image_carries_the_s3_tools_but_not_the_data_plane() -> None:
     assert "dataplane" not in install
     (command,) = instruction(stages()["operator"], "CMD")
     assert json.loads(command) == ["run"]
+
+
+def test_tools_image_bundles_the_tensorizer_fetch_config_hands_to_vllm() -> None:
+    stage = stages()["operator"]
+    install = " ".join(instruction(stage, "RUN"))
+    (env,) = [e for e in instruction(stage, "ENV") if e.startswith("PRESHARD_TENSORIZER_BUNDLE=")]
+    bundle = env.split("=", 1)[1]
+    assert f"--no-deps --target {bundle} -r requirements/tensorizer-bundle.txt" in install
+    pins = (ROOT / "requirements" / "tensorizer-bundle.txt").read_text()
+    # The version vLLM's own `tensorizer` extra pins, which the serializer image installs.
+    assert "tensorizer==2.10.1" in pins.splitlines()
