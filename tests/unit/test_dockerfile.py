@@ -66,7 +66,7 @@ def test_operator_image_carries_the_s3_tools_but_not_the_data_plane() -> None:
 
 def test_tools_image_bundles_the_tensorizer_fetch_config_hands_to_vllm() -> None:
     stage = stages()["operator"]
-    install = " ".join(instruction(stage, "RUN"))
+    install = " ".join(" ".join(instruction(stage, "RUN")).split())
     (env,) = [e for e in instruction(stage, "ENV") if e.startswith("PRESHARD_TENSORIZER_BUNDLE=")]
     bundle = env.split("=", 1)[1]
     assert f"--no-deps --target {bundle} -r requirements/tensorizer-bundle.txt" in install
