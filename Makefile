@@ -18,7 +18,7 @@ UV_LOCK := $(BIN)/uv pip compile --quiet --python-version 3.11 \
 .DEFAULT_GOAL := help
 .PHONY: help install lint format crds test test-fast run dev-cluster dev-cluster-down \
         dev-cluster-status bench bench-serialize bench-load bench-controller bench-gpu lock clean \
-        engine-env
+        engine-env test-no-engine run-fast
 
 help: ## List the targets.
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-20s %s\n", $$1, $$2}'
@@ -74,14 +74,20 @@ crds: $(STAMP) ## Regenerate the CRD (crds/ and the chart) from the Pydantic mod
 	$(BIN)/python -m preshard.api.crd > crds/shardedmodels.preshard.dev.yaml
 	cp crds/shardedmodels.preshard.dev.yaml charts/preshard/files/crds/shardedmodels.preshard.dev.yaml
 
-test: $(STAMP) ## The test suite: unit, data plane, control plane, Helm, end to end.
+test: $(STAMP) $(ENGINE_STAMP) ## The whole suite: unit, data plane, control plane, Helm, end to end, real vLLM.
 	$(BIN)/pytest
+
+test-no-engine: $(STAMP) ## The suite without the real-vLLM tier (no .venv-engine needed).
+	$(BIN)/pytest -m "not engine"
 
 test-fast: $(STAMP) ## Only the tests that need no cluster and no S3 server.
 	$(BIN)/pytest tests/unit
 
-run: $(STAMP) ## Run the operator against the current kube context (or a local one).
+run: $(STAMP) $(ENGINE_STAMP) ## Run preshard: on your kube context, or for real on a local one.
 	$(BIN)/python -m preshard.devenv run-operator
+
+run-fast: $(STAMP) ## Like run, but on the local cluster kwok completes the Jobs (controller only).
+	$(BIN)/python -m preshard.devenv run-operator --fast
 
 dev-cluster: $(STAMP) ## Start a local control plane, fake GPU nodes and an S3 server.
 	$(DEVENV) up

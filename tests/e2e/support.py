@@ -25,12 +25,13 @@ from kubernetes.client.exceptions import ApiException
 
 from preshard import reasons
 from preshard.api import models
+from preshard.devenv.nodes import on_node
 from preshard.devenv.podrunner import PodRunner
 from preshard.devenv.s3server import S3Server
 from preshard.outcome import Outcome
 from tests.helm.support import Tool
 from tests.support import shardedmodels as shm
-from tests.support.cluster import on_node, plain, wait_for
+from tests.support.cluster import plain, wait_for
 from tests.support.models import TinyModel, assert_shards_match
 from tests.support.operator import OperatorProcess
 

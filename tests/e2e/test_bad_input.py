@@ -26,10 +26,10 @@ from kubernetes.client.exceptions import ApiException
 
 from preshard import reasons
 from preshard.api import models
+from preshard.devenv.nodes import on_node
 from tests.e2e import support
 from tests.helm.conftest import Namespaces
 from tests.support import shardedmodels as shm
-from tests.support.cluster import on_node
 from tests.support.operator import OperatorProcess
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]

@@ -18,9 +18,10 @@ from kubernetes import client as k8s
 from preshard import reasons
 from preshard.devenv import binaries
 from preshard.devenv.controlplane import LocalCluster
+from preshard.devenv.nodes import on_node
 from preshard.outcome import Outcome, exit_code
 from tests.support import shardedmodels as shm
-from tests.support.cluster import complete_pod, job_pods, on_node, wait_for
+from tests.support.cluster import complete_pod, job_pods, wait_for
 from tests.support.operator import OperatorProcess
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]

@@ -13,6 +13,7 @@ from kubernetes.client.exceptions import ApiException
 
 from preshard import reasons
 from preshard.devenv.controlplane import LocalCluster
+from preshard.devenv.nodes import on_node
 from tests.support.cluster import (
     GPU_NODES,
     GPU_RESOURCE,
@@ -20,7 +21,6 @@ from tests.support.cluster import (
     api_for,
     complete_pod,
     job_pods,
-    on_node,
     termination_message,
     wait_for,
     wait_for_job,

@@ -54,24 +54,6 @@ def wait_for(
         time.sleep(interval)
 
 
-def toleration(node_kind: str) -> dict[str, str]:
-    """The toleration for a tainted test node (`manual` or `runner`)."""
-    return {
-        "key": nodes.TEST_NODE_LABEL,
-        "operator": "Equal",
-        "value": node_kind,
-        "effect": "NoSchedule",
-    }
-
-
-def on_node(node_kind: str) -> dict[str, Any]:
-    """Pod spec fields that place a pod on a test node kind (`auto`, `manual` or `runner`)."""
-    spec: dict[str, Any] = {"nodeSelector": {nodes.TEST_NODE_LABEL: node_kind}}
-    if node_kind != "auto":
-        spec["tolerations"] = [toleration(node_kind)]
-    return spec
-
-
 def plain(api: k8s.ApiClient, obj: object) -> dict[str, Any]:
     """An API object (a client model or a custom object) as the plain dict the API server sends."""
     # The client's serializer has no type annotations; for any model or mapping it returns a dict.

@@ -6,9 +6,11 @@
     status [--state-dir DIR] show what runs
     build                    build and cache every binary; print their paths
     tool-path NAME           print one cached binary's path (kubectl, helm, ...), building it
-    run-operator             run the operator against the current kube context; without one,
+    run-operator [--fast]    run the operator against the current kube context; without one,
                              start the local environment first, install the CRD, and run it
-                             there (what `make run` does)
+                             there with the test kubelet running the Jobs and the patched vLLM
+                             for real (`make run`); `--fast` lets kwok complete the Jobs
+                             instead (`make run-fast`)
     check-install [--site-packages DIR]
                              fail if two installed distributions claim the same file (what
                              `make install` ends with)
@@ -23,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from preshard.devenv import background, binaries, demo, installcheck
+from preshard.devenv import background, binaries, demo, installcheck, realrun
 from preshard.devenv.kubeconfig import api_client
 from preshard.devenv.procs import DevEnvError
 
@@ -71,6 +73,8 @@ def _run_operator(args: argparse.Namespace) -> int:
         _err("using the current kube context (unset KUBECONFIG to run on a local cluster)")
         demo.require_crd(None)
         demo.exec_operator(None)
+    if not args.fast:
+        return realrun.run(args.state_dir.resolve(), log=_err)
     state, _ = background.up(args.state_dir, log=_err)
     kubeconfig = Path(state.kubeconfig)
     with api_client(kubeconfig) as api:
@@ -126,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
             help="where state, logs and data live (default: .devenv)",
         )
         command.set_defaults(handler=handler)
+        if name == "run-operator":
+            command.add_argument(
+                "--fast",
+                action="store_true",
+                help="on the local cluster, let kwok complete the Jobs (the controller's side "
+                "only) instead of running vLLM for real",
+            )
     build = commands.add_parser("build", help="build and cache every binary; print their paths")
     build.set_defaults(handler=_build)
     tool = commands.add_parser("tool-path", help="print a cached binary's path, building it")

@@ -23,11 +23,20 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, TypedDict
 
 from preshard.dataplane.commands import TENSORIZER_BUNDLE_ENV
 from preshard.devenv import procs
 from preshard.devenv.podrunner import LocalImage
+
+
+class TinyLlamaShape(TypedDict):
+    """The `write_tiny_llama` arguments that shape the model."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+
 
 ROOT: Final = Path(__file__).resolve().parents[3]
 ENGINE_VENV: Final = ROOT / ".venv-engine"
@@ -44,6 +53,9 @@ VLLM_CPU_ENV: Final = {
 # for a tiny model), a short context and no graph capture.
 VLLM_CPU_ARGS: Final = ("--dtype", "float32", "--max-model-len", "256", "--enforce-eager")
 VLLM_REPOSITORY: Final = "vllm/vllm-openai"
+# The tiny Llama's shape for vLLM: its CPU attention kernels need a head dimension of 32 or
+# more (128 / 4 heads); 2 KV heads keep TP 2 possible.
+TINY_LLAMA: Final[TinyLlamaShape] = {"layers": 2, "heads": 4, "kv_heads": 2}
 HEALTH_TIMEOUT: Final = 420.0
 
 

@@ -61,3 +61,21 @@ def manifests() -> list[dict[str, Any]]:
         _node(MANUAL_NODE, {**kwok, TEST_NODE_LABEL: "manual"}, "manual"),
         _node(RUNNER_NODE, {TEST_NODE_LABEL: "runner"}, "runner"),
     ]
+
+
+def toleration(node_kind: str) -> dict[str, str]:
+    """The toleration for a tainted test node (`manual` or `runner`)."""
+    return {
+        "key": TEST_NODE_LABEL,
+        "operator": "Equal",
+        "value": node_kind,
+        "effect": "NoSchedule",
+    }
+
+
+def on_node(node_kind: str) -> dict[str, Any]:
+    """Pod spec fields that place a pod on a test node kind (`auto`, `manual` or `runner`)."""
+    spec: dict[str, Any] = {"nodeSelector": {TEST_NODE_LABEL: node_kind}}
+    if node_kind != "auto":
+        spec["tolerations"] = [toleration(node_kind)]
+    return spec

@@ -35,7 +35,8 @@ Supported, with the kubelet's semantics:
   runner retries every second, so creating the Secret later starts the container. `$(VAR)` is
   expanded in `command` and `args`. Secrets are read with the runner's admin credentials.
   Every container also gets the runner's `extra_env` (like an image's environment: the
-  container's own `env` wins), `HOME` and `TMPDIR` in the pod's directory, and a minimal PATH;
+  container's own `env` wins), `HOME` in the pod's directory, a short `TMPDIR` of the pod's
+  own, and a minimal PATH;
   the test process's own environment is NOT inherited.
 - Volumes: a Secret or ConfigMap a volume needs that does not exist yet keeps the pod's
   containers waiting in `ContainerCreating`, as the kubelet does, and is retried every second.
@@ -78,6 +79,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -271,6 +273,9 @@ class PodRun:
         self.name: str = meta["name"]
         self.uid: str = meta["uid"]
         self.dir = runner.work_dir / self.namespace / f"{self.name}-{self.uid[:8]}"
+        # Short, because programs put Unix sockets there (vLLM's ZeroMQ IPC paths), and a
+        # socket path is limited to 107 bytes.
+        self.tmp = Path(tempfile.gettempdir()) / f"preshard-pod-{self.uid[:8]}"
         spec = pod["spec"]
         self.restart_policy: str = spec.get("restartPolicy", "Always")
         self.init_runs = [ContainerRun(c, init=True) for c in spec.get("initContainers") or []]
@@ -467,7 +472,7 @@ class PodRun:
         base = {
             "PATH": f"{image.bin_dir}:{CONTAINER_PATH}" if image.bin_dir else CONTAINER_PATH,
             "HOME": str(self.dir / "home"),
-            "TMPDIR": str(self.dir / "tmp"),
+            "TMPDIR": str(self.tmp),
             "HOSTNAME": self.name,
             "LANG": "C.UTF-8",
         }
@@ -570,6 +575,7 @@ class PodRun:
         finally:
             core.api_client.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     # Environment and volumes.
 
