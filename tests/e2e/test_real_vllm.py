@@ -1,0 +1,218 @@
+"""Real vLLM at both ends: vLLM makes the shards, vLLM serves the patched Deployment.
+
+The engine tier. `make engine-env` builds vLLM's CPU build into `.venv-engine`, without
+tensorizer, like the stock `vllm/vllm-openai` image; the pod runner runs the images of this
+flow from it (`preshard.devenv.engine`):
+
+1. `kubectl apply` of a ShardedModel at TP 1 and TP 2 with two target Deployments, one per TP
+   size, written as people write them (`vllm serve org/tiny --port N`, a readiness probe on
+   `/health`);
+2. the serialize Jobs run `preshard serialize` with the real `VllmEngine`: vLLM's own
+   `tensorize_vllm_model` writes each rank's file (fused `qkv_proj`, `gate_up_proj`, padded
+   vocabulary), preshard uploads them to the S3 server; the verify Jobs check them;
+3. the operator patches each Deployment; the runner runs its init container
+   (`preshard fetch-config`, which also hands over the bundled tensorizer) and then the vLLM
+   container's command line exactly as patched, as a real `vllm serve` that streams the rank
+   files from S3 with tensorizer;
+4. each patched server answers a temperature-0 completion with the same tokens as vLLM serving
+   the original safetensors, and the ShardedModel is Ready.
+
+So a wrong tensorizer URI, TP size, endpoint, a lost rank or an image that cannot import
+tensorizer fails here because vLLM itself refuses or answers differently. What is not real: the
+GPU (vLLM runs on CPU, with the fixes in `operator/preshard/devenv/vllm_cpu/`), and images
+(each runs from a local virtualenv).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+from kubernetes import client as k8s
+
+from preshard.devenv import engine, procs
+from preshard.devenv.nodes import on_node
+from preshard.devenv.podrunner import PodRunner, image_repository
+from tests.e2e import support
+from tests.e2e.engine import EngineControl
+from tests.helm.support import Tool
+from tests.support import shardedmodels as shm
+from tests.support.models import TinyModel, make_tiny_model, upload_model
+from tests.support.operator import OperatorProcess
+from tests.support.s3 import S3Bucket
+
+pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow, pytest.mark.engine]
+
+SERIALIZER_IMAGE: Final = "ghcr.io/preshard/preshard-serializer:cpu-engine"
+PROMPTS: Final = ((5, 17, 33, 100), (300, 4, 77))
+# A cold vLLM start on two busy cores (imports, engine, workers) takes one to three minutes.
+SERVE_TIMEOUT: Final = 600.0
+SERIALIZE_TIMEOUT: Final = 900.0
+
+
+@pytest.fixture(scope="module")
+def runner_engine(
+    pod_runner: PodRunner, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineControl]:
+    """This module's pods run real vLLM: the serializer and the vLLM image from the engine
+    environment, and no test engine (`PRESHARD_ENGINE` unset)."""
+    images = {
+        image_repository(SERIALIZER_IMAGE): engine.serializer_image(),
+        engine.VLLM_REPOSITORY: engine.vllm_image(),
+    }
+    saved_env, saved_images = dict(pod_runner.extra_env), dict(pod_runner.images)
+    pod_runner.extra_env["HF_ENDPOINT"] = f"http://127.0.0.1:{procs.free_port()}"
+    pod_runner.images.update(images)
+    try:
+        yield EngineControl(Path(tmp_path_factory.mktemp("engine")))
+    finally:
+        pod_runner.extra_env.clear()
+        pod_runner.extra_env.update(saved_env)
+        pod_runner.images.clear()
+        pod_runner.images.update(saved_images)
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The tiny Llama in a shape vLLM's CPU kernels take (untied embeddings)."""
+    return make_tiny_model(
+        Path(tmp_path_factory.mktemp("vllm-model")) / "tiny", **engine.TINY_LLAMA
+    )
+
+
+@pytest.fixture(scope="module")
+def baseline(
+    vllm_model: TinyModel, tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[int, ...], engine.Completion]:
+    """What vLLM answers serving the original safetensors directory (TP 1)."""
+    server = engine.VllmServer.start(
+        str(vllm_model.path),
+        Path(tmp_path_factory.mktemp("baseline")),
+        served_model_name=support.SERVED_MODEL,
+        name="vllm-baseline",
+    )
+    try:
+        return {
+            prompt: engine.complete(server.url(""), support.SERVED_MODEL, prompt)
+            for prompt in PROMPTS
+        }
+    finally:
+        server.stop()
+
+
+def vllm_target(name: str, port: int) -> dict[str, Any]:
+    """A vLLM container as people write it for CPU: model, port, dtype, context, probe."""
+    return support.vllm_container(
+        args=[support.SERVED_MODEL, "--port", str(port), *engine.VLLM_CPU_ARGS],
+        readinessProbe={"httpGet": {"path": "/health", "port": port}, "periodSeconds": 2},
+        terminationMessagePolicy="FallbackToLogsOnError",
+        resources={"limits": {"nvidia.com/gpu": "1"}},
+        name=name,
+    )
+
+
+def patched(api: k8s.ApiClient, namespace: str, name: str) -> bool | None:
+    """True once the operator has pointed the Deployment at a shard set."""
+    _, load_format, _ = support.container_flags(shm.read_deployment(api, namespace, name))
+    return True if load_format == "tensorizer" else None
+
+
+def wait_pod_ready(api: k8s.ApiClient, namespace: str, deployment: str) -> Any:
+    """The patched Deployment's pod once its vLLM answers the readiness probe."""
+
+    def ready() -> Any | None:
+        pod = support.serving_pod(api, namespace, deployment)
+        conditions = {c.type: c.status for c in (pod.status.conditions or [])} if pod else {}
+        return pod if conditions.get("Ready") == "True" else None
+
+    return support.until(ready, f"the patched {deployment} to serve", timeout=SERVE_TIMEOUT)
+
+
+def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
+    kube_api: k8s.ApiClient,
+    workspace: str,
+    store: support.Store,
+    s3_bucket: S3Bucket,
+    vllm_model: TinyModel,
+    operator: OperatorProcess,
+    pod_runner: PodRunner,
+    runner_engine: EngineControl,
+    baseline: dict[tuple[int, ...], engine.Completion],
+    admin_kubectl: Tool,
+    tmp_path: Path,
+) -> None:
+    namespace = workspace
+    ports = dict(zip((1, 2), procs.free_ports(2), strict=True))
+    for tp, port in ports.items():
+        # At 0 replicas until patched: the unpatched `vllm serve org/tiny` would only crash-loop
+        # (no Hub here) and take CPU from the serialization on this two-core machine.
+        shm.create_deployment(
+            kube_api,
+            namespace,
+            f"vllm-tp{tp}",
+            container=vllm_target("vllm", port),
+            pod_spec=on_node("runner"),
+            replicas=0,
+        )
+    source = upload_model(vllm_model, s3_bucket.client, s3_bucket.name, "models/tiny-vllm")
+    body = support.spec(
+        store,
+        f"real-vllm-{secrets.token_hex(3)}",
+        model={"uri": source},
+        tp=(1, 2),
+        targets=[{"name": f"vllm-tp{tp}", "tensorParallelSize": tp} for tp in ports],
+        serialization={"image": SERIALIZER_IMAGE, "dtype": "float32", "maxModelLen": 256},
+    )
+    support.kubectl_apply(admin_kubectl, support.sharded_model("tiny", namespace, body), tmp_path)
+
+    with support.stopwatch("real vLLM: apply -> both sets serialized"):
+        shm.wait_condition(
+            kube_api,
+            namespace,
+            "tiny",
+            "Serialized",
+            "True",
+            operator=operator,
+            timeout=SERIALIZE_TIMEOUT,
+        )
+    outcomes = {
+        name: support.job_outcome(kube_api, namespace, name)[1]
+        for name in support.job_names(kube_api, namespace)
+        if "-serialize-" in name
+    }
+    assert sorted(o.tensor_parallel_size or 0 for o in outcomes.values()) == [1, 2], outcomes
+    for outcome in outcomes.values():
+        # vLLM's own version and tensorizer's are what the manifest records.
+        assert outcome.vllm_version == "0.32.0", outcome
+        assert outcome.tensorizer_version == "2.10.1", outcome
+
+    with support.stopwatch("real vLLM: serialized -> both patched servers ready"):
+        apps = k8s.AppsV1Api(kube_api)
+        for tp in ports:
+            support.until(
+                lambda name=f"vllm-tp{tp}": patched(kube_api, namespace, name),  # type: ignore[misc]
+                f"vllm-tp{tp} to be patched",
+                timeout=SERIALIZE_TIMEOUT,
+            )
+            apps.patch_namespaced_deployment_scale(
+                f"vllm-tp{tp}", namespace, {"spec": {"replicas": 1}}
+            )
+        for tp in ports:
+            wait_pod_ready(kube_api, namespace, f"vllm-tp{tp}")
+    resource = shm.wait_ready(kube_api, namespace, "tiny", operator=operator, timeout=120)
+    assert {t["name"]: t["tensorParallelSize"] for t in resource["status"]["targets"]} == {
+        "vllm-tp1": 1,
+        "vllm-tp2": 2,
+    }
+
+    for tp, port in ports.items():
+        deployment = shm.read_deployment(kube_api, namespace, f"vllm-tp{tp}")
+        flags_tp, load_format, _ = support.container_flags(deployment)
+        assert (flags_tp, load_format) == (tp, "tensorizer")
+        for prompt, expected in baseline.items():
+            answer = engine.complete(f"http://127.0.0.1:{port}", support.SERVED_MODEL, prompt)
+            assert answer == expected, (tp, prompt)
+    support.forbid_tracebacks(operator)
