@@ -18,7 +18,7 @@ UV_LOCK := $(BIN)/uv pip compile --quiet --python-version 3.11 \
 .DEFAULT_GOAL := help
 .PHONY: help install lint format crds test test-fast run dev-cluster dev-cluster-down \
         dev-cluster-status bench bench-serialize bench-load bench-controller bench-gpu lock clean \
-        engine-env test-no-engine run-fast
+        engine-env test-no-engine run-fast test-gpu
 
 help: ## List the targets.
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-20s %s\n", $$1, $$2}'
@@ -114,6 +114,9 @@ bench-controller: $(STAMP) ## The controller at scale on the local control plane
 
 bench-gpu: $(STAMP) ## GPU load benchmark (needs a CUDA GPU).
 	$(BIN)/python benchmarks/gpu_load.py
+
+test-gpu: $(STAMP) ## The engine tier on CUDA vLLM: serialize and serve the tiny Llama (needs a GPU).
+	$(BIN)/python benchmarks/gpu_engine.py
 
 clean: ## Remove the virtualenvs and caches (not the binary cache).
 	rm -rf $(VENV) $(ENGINE_VENV) .mypy_cache .ruff_cache .pytest_cache
