@@ -6,9 +6,11 @@ import copy
 import json
 from typing import Any
 
+import pytest
+
 from preshard import reasons
-from preshard.api.models import parse_spec
-from preshard.builders.common import Owner, ShardSet
+from preshard.api.models import Storage, parse_spec
+from preshard.builders.common import Owner, ShardSet, s3_endpoint_url
 from preshard.builders.target import (
     ANNOTATION_ORIGINAL,
     TargetInput,
@@ -257,6 +259,70 @@ def test_https_endpoint_goes_into_the_json_too() -> None:
     args = patched["spec"]["template"]["spec"]["containers"][0]["args"]
     config = json.loads(args[args.index("--model-loader-extra-config") + 1])
     assert config["s3_endpoint"] == "https://s3.x.io"
+
+
+def extra_config_and_endpoint_env(storage: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """The patched vLLM container's tensorizer JSON and its AWS_ENDPOINT_URL_S3 entries."""
+    patched = build_patched_deployment(deployment(), target_input({"storage": storage}))
+    assert isinstance(patched, dict)
+    vllm = patched["spec"]["template"]["spec"]["containers"][0]
+    args = vllm["args"]
+    config = json.loads(args[args.index("--model-loader-extra-config") + 1])
+    return config, [e for e in vllm["env"] if e["name"] == "AWS_ENDPOINT_URL_S3"]
+
+
+@pytest.mark.parametrize(
+    ("storage", "endpoint"),
+    [
+        ({"region": "us-west-2"}, "https://s3.us-west-2.amazonaws.com"),
+        ({"region": "eu-central-1"}, "https://s3.eu-central-1.amazonaws.com"),
+        ({"region": "us-east-1"}, "https://s3.amazonaws.com"),
+        ({"region": "cn-north-1"}, "https://s3.cn-north-1.amazonaws.com.cn"),
+        ({}, "https://s3.amazonaws.com"),
+        ({"endpoint": "https://s3.x.io", "region": "us-west-2"}, "https://s3.x.io"),
+    ],
+)
+def test_the_container_is_always_given_the_endpoint_boto3_would_use(
+    storage: dict[str, Any], endpoint: str
+) -> None:
+    config, env = extra_config_and_endpoint_env({"uri": "s3://models/shards", **storage})
+    assert config["s3_endpoint"] == endpoint
+    assert env == [{"name": "AWS_ENDPOINT_URL_S3", "value": endpoint}]
+
+
+def test_a_plain_http_endpoint_reaches_tensorizer_through_the_environment_only() -> None:
+    config, env = extra_config_and_endpoint_env(
+        {"uri": "s3://models/shards", "endpoint": "http://minio.storage:9000"}
+    )
+    assert "s3_endpoint" not in config
+    assert env == [{"name": "AWS_ENDPOINT_URL_S3", "value": "http://minio.storage:9000"}]
+
+
+@pytest.mark.parametrize(
+    ("storage", "endpoint"),
+    [
+        (
+            {"endpoint": "http://minio.storage:9000", "region": "us-west-2"},
+            "http://minio.storage:9000",
+        ),
+        ({"region": "us-west-2"}, "https://s3.us-west-2.amazonaws.com"),
+        ({"region": "us-east-1"}, "https://s3.amazonaws.com"),
+        ({"region": "aws-global"}, "https://s3.amazonaws.com"),
+        ({"region": "us-gov-west-1"}, "https://s3.us-gov-west-1.amazonaws.com"),
+        ({"region": "cn-northwest-1"}, "https://s3.cn-northwest-1.amazonaws.com.cn"),
+        ({"region": "us-iso-east-1"}, "https://s3.us-iso-east-1.c2s.ic.gov"),
+        ({"region": "us-isob-east-1"}, "https://s3.us-isob-east-1.sc2s.sgov.gov"),
+        ({"region": "us-isof-south-1"}, "https://s3.us-isof-south-1.csp.hci.ic.gov"),
+        ({"region": "eu-isoe-west-1"}, "https://s3.eu-isoe-west-1.cloud.adc-e.uk"),
+        ({"region": "eusc-de-east-1"}, "https://s3.eusc-de-east-1.amazonaws.eu"),
+        ({}, "https://s3.amazonaws.com"),
+    ],
+)
+def test_s3_endpoint_url(storage: dict[str, Any], endpoint: str) -> None:
+    assert (
+        s3_endpoint_url(Storage.model_validate({"uri": "s3://models/shards", **storage}))
+        == endpoint
+    )
 
 
 def test_other_gpu_resource_names() -> None:

@@ -30,6 +30,21 @@ ENCRYPTION_FILE: Final = "key"
 ENCRYPTION_KEYFILE: Final = f"{ENCRYPTION_DIR}/{ENCRYPTION_FILE}"
 ENCRYPTION_VOLUME: Final = "preshard-encryption-key"
 
+# What boto3 resolves for S3 without a region, and for us-east-1 and the pseudo-region
+# aws-global.
+AWS_GLOBAL_ENDPOINT: Final = "https://s3.amazonaws.com"
+_AWS_GLOBAL_REGIONS: Final = frozenset({"us-east-1", "aws-global"})
+# The DNS suffix of each AWS partition other than `aws` (botocore's partitions.json), by the
+# prefix of its region names; every other region is in `aws` (amazonaws.com).
+_AWS_PARTITION_DNS_SUFFIXES: Final = (
+    ("cn-", "amazonaws.com.cn"),
+    ("us-iso-", "c2s.ic.gov"),
+    ("us-isob-", "sc2s.sgov.gov"),
+    ("us-isof-", "csp.hci.ic.gov"),
+    ("eu-isoe-", "cloud.adc-e.uk"),
+    ("eusc-", "amazonaws.eu"),
+)
+
 # Job names are also label values (`job-name`), so they fit in 63 characters.
 NAME_LIMIT: Final = 63
 _OWNER_PART: Final = 30
@@ -122,6 +137,30 @@ def s3_env(storage: models.Storage) -> list[Manifest]:
         env.append({"name": "AWS_REGION", "value": storage.region})
         env.append({"name": "AWS_DEFAULT_REGION", "value": storage.region})
     return env
+
+
+def s3_endpoint_url(storage: models.Storage) -> str:
+    """The S3 endpoint a pod must be given: the configured one, or the AWS endpoint of the region.
+
+    boto3 finds the regional AWS endpoint by itself, but tensorizer does not: without an
+    endpoint argument or `AWS_ENDPOINT_URL_S3` it reads from its own default, CoreWeave's
+    `accel-object.ord1.coreweave.com`. So the patched vLLM container is always told the endpoint
+    boto3 would use for the region (botocore's resolver, `s3_us_east_1_regional_endpoint`
+    left at its default): `us-east-1` is the global `https://s3.amazonaws.com`, other regions
+    `https://s3.<region>.<partition DNS suffix>`. Without a region either, the global endpoint,
+    as boto3 resolves it without one: it serves buckets in `us-east-1`, so a bucket elsewhere
+    needs `storage.region`.
+    """
+    if storage.endpoint:
+        return storage.endpoint
+    region = storage.region
+    if region is None or region in _AWS_GLOBAL_REGIONS:
+        return AWS_GLOBAL_ENDPOINT
+    suffix = next(
+        (dns for prefix, dns in _AWS_PARTITION_DNS_SUFFIXES if region.startswith(prefix)),
+        "amazonaws.com",
+    )
+    return f"https://s3.{region}.{suffix}"
 
 
 def s3_args(storage: models.Storage) -> list[str]:

@@ -30,6 +30,7 @@ from preshard.builders.common import (
     encryption_mount,
     encryption_volume,
     s3_args,
+    s3_endpoint_url,
     s3_env,
 )
 from preshard.builders.vllm_args import (
@@ -148,7 +149,7 @@ def choose_container(pod_spec: Manifest, wanted: str | None) -> Manifest | Refus
 def tensorizer_load(target: TargetInput) -> TensorizerLoad:
     """What the vLLM container must load for this shard set."""
     spec, settings = target.spec, target.settings
-    endpoint = spec.storage.endpoint
+    endpoint = s3_endpoint_url(spec.storage)
     return TensorizerLoad(
         model_dir=settings.model_dir,
         tensor_parallel_size=target.shard_set.tensor_parallel_size,
@@ -156,7 +157,7 @@ def tensorizer_load(target: TargetInput) -> TensorizerLoad:
             target.shard_set.location, target.shard_set.tensor_parallel_size
         ),
         num_readers=spec.loading.num_readers or settings.num_readers,
-        s3_endpoint=endpoint if endpoint and endpoint.startswith("https://") else None,
+        s3_endpoint=endpoint if endpoint.startswith("https://") else None,
         encryption_keyfile=ENCRYPTION_KEYFILE if spec.encryption else None,
         verify_hash=spec.loading.verify_hash,
     )
@@ -358,9 +359,9 @@ def _apply_container(container: Manifest, target: TargetInput) -> None:
         resources["requests"][gpu] = tp
     env = [e for e in container.get("env") or [] if e.get("name") not in MANAGED_ENV]
     env += s3_env(spec.storage)
-    # tensorizer refuses a plain-http endpoint passed as an argument; boto3 reads this one.
-    if spec.storage.endpoint:
-        env.append({"name": "AWS_ENDPOINT_URL_S3", "value": spec.storage.endpoint})
+    # tensorizer refuses a plain-http endpoint passed as an argument, but reads this one; and
+    # without either it would fall back to its own default store, not the region's AWS one.
+    env.append({"name": "AWS_ENDPOINT_URL_S3", "value": s3_endpoint_url(spec.storage)})
     env = _with_tensorizer_on_path(env, target.settings.tensorizer_dir)
     _set_or_drop(container, "env", env or None)
     mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in OWNED_VOLUMES]
