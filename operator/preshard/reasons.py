@@ -34,6 +34,8 @@ CONTAINER_NOT_FOUND: Final = "ContainerNotFound"
 UNSUPPORTED_COMMAND: Final = "UnsupportedCommand"
 TARGET_CONFLICT: Final = "TargetConflict"
 TARGET_IMAGE_CHANGED: Final = "TargetImageChanged"
+NO_GPU_RESOURCE: Final = "NoGPUResource"
+AMBIGUOUS_GPU_RESOURCE: Final = "AmbiguousGPUResource"
 
 # Failures reported by the data plane (termination message and exit code).
 MANIFEST_MISSING: Final = "ManifestMissing"

@@ -13,6 +13,7 @@ from preshard.api.models import Storage, parse_spec
 from preshard.builders.common import Owner, ShardSet, s3_endpoint_url
 from preshard.builders.target import (
     ANNOTATION_ORIGINAL,
+    Refusal,
     TargetInput,
     build_patched_deployment,
     build_restored_deployment,
@@ -336,6 +337,89 @@ def test_other_gpu_resource_names() -> None:
     assert patched["spec"]["template"]["spec"]["containers"][0]["resources"] == {
         "limits": {"amd.com/gpu": "4"}
     }
+
+
+def with_resources(resources: dict[str, Any] | None) -> dict[str, Any]:
+    """The test Deployment with other resources on its vLLM container (None: none at all)."""
+    source = deployment()
+    vllm = source["spec"]["template"]["spec"]["containers"][0]
+    if resources is None:
+        vllm.pop("resources")
+    else:
+        vllm["resources"] = resources
+    return source
+
+
+def patched_resources(source: dict[str, Any], extra: dict[str, Any] | None = None) -> Any:
+    patched = build_patched_deployment(source, target_input(extra))
+    assert isinstance(patched, dict), patched
+    return patched["spec"]["template"]["spec"]["containers"][0]["resources"]
+
+
+@pytest.mark.parametrize(
+    "gpu",
+    [
+        "amd.com/gpu",
+        "gpu.intel.com/i915",
+        "gpu.intel.com/xe",
+        "habana.ai/gaudi",
+        "nvidia.com/gpu.shared",
+        "example.com/gpu",
+    ],
+)
+def test_the_containers_own_gpu_resource_is_kept(gpu: str) -> None:
+    source = with_resources({"requests": {gpu: "8", "cpu": "16"}, "limits": {gpu: "8"}})
+    assert patched_resources(source) == {
+        "requests": {gpu: "4", "cpu": "16"},
+        "limits": {gpu: "4"},
+    }
+
+
+def test_no_second_gpu_vendor_is_added_beside_the_containers() -> None:
+    source = with_resources({"limits": {"amd.com/gpu": "8"}})
+    named_nvidia = {"serialization": {"gpuResourceName": "nvidia.com/gpu"}}
+    assert patched_resources(source) == {"limits": {"amd.com/gpu": "4"}}
+    assert patched_resources(source, named_nvidia) == {"limits": {"amd.com/gpu": "4"}}
+
+
+def test_a_container_without_gpus_is_refused() -> None:
+    for resources in (None, {}, {"requests": {"cpu": "8", "memory": "32Gi"}}):
+        refused = build_patched_deployment(with_resources(resources), target_input())
+        assert isinstance(refused, Refusal)
+        assert refused.reason == reasons.NO_GPU_RESOURCE
+        assert refused.message.startswith("container vllm requests no GPU (none of nvidia.com/gpu")
+        assert "serialization.gpuResourceName" in refused.message
+
+
+def test_a_gpu_resource_the_spec_names_is_added_to_a_container_without_one() -> None:
+    named = {"serialization": {"gpuResourceName": "amd.com/gpu"}}
+    assert patched_resources(with_resources(None), named) == {"limits": {"amd.com/gpu": "4"}}
+    assert patched_resources(with_resources({"requests": {"cpu": "8"}}), named) == {
+        "requests": {"cpu": "8"},
+        "limits": {"amd.com/gpu": "4"},
+    }
+
+
+def test_several_gpu_resources_need_the_spec_to_name_one() -> None:
+    source = with_resources({"limits": {"nvidia.com/gpu": "1", "example.com/gpu": "1"}})
+    refused = build_patched_deployment(source, target_input())
+    assert isinstance(refused, Refusal)
+    assert refused.reason == reasons.AMBIGUOUS_GPU_RESOURCE
+    assert "(example.com/gpu, nvidia.com/gpu)" in refused.message
+    named = {"serialization": {"gpuResourceName": "example.com/gpu"}}
+    assert patched_resources(source, named) == {
+        "limits": {"nvidia.com/gpu": "1", "example.com/gpu": "4"}
+    }
+
+
+def test_restore_gives_back_another_vendors_resources() -> None:
+    source = with_resources({"requests": {"amd.com/gpu": "8"}, "limits": {"amd.com/gpu": "8"}})
+    patched = build_patched_deployment(source, target_input())
+    assert isinstance(patched, dict)
+    assert build_patched_deployment(patched, target_input()) == patched
+    restored = build_restored_deployment(patched)
+    assert restored is not None
+    assert restored["spec"] == source["spec"]
 
 
 def test_container_must_be_found() -> None:

@@ -2,10 +2,10 @@
 
 preshard does not own these Deployments. It changes only what loading the shards needs: the
 vLLM container's command line (model directory, TP size, load format, flat tensorizer JSON),
-its GPU limit, the S3 environment (credentials by Secret reference), an init container that
-fetches the config and tokenizer files into an `emptyDir`, and the encryption key mount. The
-original values are saved in an annotation so deletion restores them. `replicas` is never
-touched.
+the count of the GPU resource it already asks for, the S3 environment (credentials by Secret
+reference), an init container that fetches the config and tokenizer files into an `emptyDir`,
+and the encryption key mount. The original values are saved in an annotation so deletion
+restores them. `replicas` is never touched.
 
 Whether a Deployment needs a write is decided on the fields preshard manages only
 (`managed_view`): server-side defaults on the rest never cause a patch loop.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -75,6 +76,18 @@ MANAGED_ENV: Final = (
 )
 # Set on the vLLM container too, but merged with the user's value instead of replacing it.
 PYTHONPATH_ENV: Final = "PYTHONPATH"
+# The extended resources of the accelerators vLLM serves on, as their device plugins name them.
+# A container's own GPU resource is kept (set to the TP size), never a second one added beside
+# it: a pod asking for two vendors' GPUs fits no node.
+GPU_RESOURCES: Final = (
+    "nvidia.com/gpu",
+    "amd.com/gpu",
+    "gpu.intel.com/i915",
+    "gpu.intel.com/xe",
+    "habana.ai/gaudi",
+)
+# Any other `<domain>/gpu` resource counts too, also a renamed shared one (`nvidia.com/gpu.shared`).
+_GPU_LIKE: Final = re.compile(r"^[a-z0-9.-]+/gpu([.-][a-z0-9._-]+)?$")
 INIT_RESOURCES: Final[Manifest] = {
     "requests": {"cpu": "100m", "memory": "128Mi"},
     "limits": {"memory": "256Mi"},
@@ -146,6 +159,53 @@ def choose_container(pod_spec: Manifest, wanted: str | None) -> Manifest | Refus
     )
 
 
+def gpu_resources_of(container: Manifest, target: TargetInput) -> list[str]:
+    """The GPU resources the container requests or limits, sorted.
+
+    A GPU resource is one of `GPU_RESOURCES`, any other `<domain>/gpu` resource, or the one the
+    spec or the operator's settings name.
+    """
+    named = {target.spec.serialization.gpu_resource_name, target.settings.gpu_resource_name}
+    resources: Manifest = container.get("resources") or {}
+    requested = {*(resources.get("limits") or {}), *(resources.get("requests") or {})}
+    return sorted(
+        name
+        for name in requested
+        if name in GPU_RESOURCES or name in named or _GPU_LIKE.match(name)
+    )
+
+
+def gpu_resource(container: Manifest, target: TargetInput) -> str | Refusal:
+    """The resource that gets the TP size: the container's own GPU resource, or the spec's.
+
+    A container without any GPU resource is refused unless `serialization.gpuResourceName`
+    names the one to add: a vLLM server without GPUs cannot load shards into them, and adding
+    the operator's default (`nvidia.com/gpu`) to, say, an Intel Gaudi pod would make it
+    unschedulable.
+    """
+    found = gpu_resources_of(container, target)
+    named = target.spec.serialization.gpu_resource_name
+    name = container.get("name")
+    if len(found) == 1:
+        return found[0]
+    if found:
+        if named in found:
+            return named
+        return Refusal(
+            reasons.AMBIGUOUS_GPU_RESOURCE,
+            f"container {name} requests several GPU resources ({', '.join(found)}): name the "
+            "one vLLM runs on in serialization.gpuResourceName",
+        )
+    if named is not None:
+        return named
+    return Refusal(
+        reasons.NO_GPU_RESOURCE,
+        f"container {name} requests no GPU (none of {', '.join(GPU_RESOURCES)} or another "
+        "<domain>/gpu resource), so it cannot load the shards into GPUs: give it the GPUs it "
+        "serves on, or name the GPU resource to add in serialization.gpuResourceName",
+    )
+
+
 def tensorizer_load(target: TargetInput) -> TensorizerLoad:
     """What the vLLM container must load for this shard set."""
     spec, settings = target.spec, target.settings
@@ -189,9 +249,12 @@ def build_patched_deployment(deployment: Manifest, target: TargetInput) -> Manif
         rewritten = rewrite_vllm_command(chosen.get("command"), chosen.get("args"), load)
     except UnsupportedCommandError as error:
         return Refusal(error.reason, f"container {chosen.get('name')}: {error.message}")
+    gpu = gpu_resource(chosen, target)
+    if isinstance(gpu, Refusal):
+        return gpu
     _set_or_drop(chosen, "command", rewritten.command)
     _set_or_drop(chosen, "args", rewritten.args)
-    _apply_container(chosen, target)
+    _apply_container(chosen, target, gpu)
     _apply_pod(pod_spec, target)
 
     desired_annotations = desired.setdefault("metadata", {}).setdefault("annotations", {})
@@ -349,9 +412,8 @@ def rollout_complete(deployment: Manifest) -> bool:
     )
 
 
-def _apply_container(container: Manifest, target: TargetInput) -> None:
+def _apply_container(container: Manifest, target: TargetInput, gpu: str) -> None:
     spec = target.spec
-    gpu = spec.serialization.gpu_resource_name or target.settings.gpu_resource_name
     tp = str(target.shard_set.tensor_parallel_size)
     resources: Manifest = container.setdefault("resources", {})
     resources.setdefault("limits", {})[gpu] = tp
