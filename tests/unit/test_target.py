@@ -422,6 +422,34 @@ def test_restore_gives_back_another_vendors_resources() -> None:
     assert restored["spec"] == source["spec"]
 
 
+def test_an_args_only_container_that_is_not_vllm_is_refused() -> None:
+    source = deployment()
+    pod = source["spec"]["template"]["spec"]
+    pod["containers"] = [
+        {
+            "name": "sleeper",
+            "image": "busybox",
+            "args": ["sleep", "infinity"],
+            "resources": {"limits": {"nvidia.com/gpu": "1"}},
+        }
+    ]
+    refused = build_patched_deployment(source, target_input(container=None))
+    assert isinstance(refused, Refusal)
+    assert refused.reason == reasons.UNSUPPORTED_COMMAND
+    assert refused.message.startswith(
+        "container sleeper: the container sets only args, so it runs the entrypoint of its "
+        "image 'busybox'"
+    )
+    pod["containers"][0].update(
+        {"image": "vllm/vllm-openai:v0.34.0", "args": ["meta-llama/Llama-3.1-8B-Instruct"]}
+    )
+    patched = build_patched_deployment(source, target_input(container=None))
+    assert isinstance(patched, dict)
+    assert patched["spec"]["template"]["spec"]["containers"][0]["args"][:1] == [
+        "/var/run/preshard/model"
+    ]
+
+
 def test_container_must_be_found() -> None:
     refused = build_patched_deployment(deployment(), target_input(container="nope"))
     assert not isinstance(refused, dict)

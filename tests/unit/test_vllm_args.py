@@ -752,6 +752,50 @@ def test_refusals_of_real_world_manifests(refusal: FixtureRefusal) -> None:
         rewrite_vllm_command(container.get("command"), container.get("args"), LOAD)
 
 
+@pytest.mark.parametrize(
+    ("image", "args"),
+    [
+        ("busybox", ["sleep", "infinity"]),
+        ("docker.io/library/busybox:1.37", ["sleep", "infinity"]),
+        ("envoyproxy/envoy:v1.31", ["-c", "/etc/envoy/envoy.yaml"]),
+        ("rocm/vllm:rocm6.2_mi300_ubuntu20.04_py3.9_vllm_0.6.4", ["mistralai/Mistral-7B-v0.3"]),
+        ("vllm/vllm-openai-rocm:v0.34.0", ["--model", "m"]),
+        ("", ["--model", "m"]),
+    ],
+)
+def test_args_alone_are_refused_on_images_whose_entrypoint_is_unknown(
+    image: str, args: list[str]
+) -> None:
+    no_command: tuple[list[str] | None, ...] = (None, [])
+    for command in no_command:
+        with pytest.raises(UnsupportedCommandError) as caught:
+            rewrite_vllm_command(command, args, LOAD, image=image)
+        assert caught.value.reason == reasons.UNSUPPORTED_COMMAND
+        assert caught.value.message == (
+            f"the container sets only args, so it runs the entrypoint of its image {image!r}, "
+            "which preshard cannot see (it knows only the vllm-openai image's, `vllm serve`); "
+            "set command, e.g. [vllm, serve], if it starts the vLLM server"
+        )
+
+
+@pytest.mark.parametrize(
+    "image",
+    [None, "vllm/vllm-openai:v0.34.0", "registry.example.com/mirror/vllm/vllm-openai:latest"],
+)
+def test_args_alone_on_the_vllm_openai_image_run_vllm_serve(image: str | None) -> None:
+    rewritten = rewrite_vllm_command(None, ["m", "--port", "8000"], LOAD, image=image)
+    assert rewritten == RewrittenCommand(
+        command=None,
+        args=[MODEL_DIR, "--port", "8000", "--served-model-name", "m", *TAIL],
+        served_model_name="m",
+    )
+
+
+def test_a_command_makes_the_image_irrelevant() -> None:
+    rewritten = rewrite_vllm_command(["vllm", "serve"], ["m"], LOAD, image="rocm/vllm:latest")
+    assert rewritten.args == [MODEL_DIR, "--served-model-name", "m", *TAIL]
+
+
 def test_refusals_never_repeat_the_command_line() -> None:
     secret = "sk-0123456789abcdef"
     for command in (

@@ -246,7 +246,9 @@ def build_patched_deployment(deployment: Manifest, target: TargetInput) -> Manif
     )
     load = tensorizer_load(target)
     try:
-        rewritten = rewrite_vllm_command(chosen.get("command"), chosen.get("args"), load)
+        rewritten = rewrite_vllm_command(
+            chosen.get("command"), chosen.get("args"), load, image=str(chosen.get("image") or "")
+        )
     except UnsupportedCommandError as error:
         return Refusal(error.reason, f"container {chosen.get('name')}: {error.message}")
     gpu = gpu_resource(chosen, target)

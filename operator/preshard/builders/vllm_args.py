@@ -233,14 +233,28 @@ def rewrite_vllm_command(
     command: Sequence[str] | None,
     args: Sequence[str] | None,
     load: TensorizerLoad,
+    *,
+    image: str | None = None,
 ) -> RewrittenCommand:
     """The container's command line rewritten to load the shard set.
+
+    A container without `command` runs its image's entrypoint with `args`; preshard knows that
+    entrypoint (`vllm serve`) only for the `vllm-openai` image. Pass the container's `image`:
+    `args` alone on any other image are refused, not read as `vllm serve` arguments (`busybox`
+    with `args: [sleep, infinity]` would become `sleep` served as a model). Without `image`,
+    the entrypoint is taken to be `vllm serve`.
 
     Idempotent: rewriting a rewritten command line with the same `load` returns it unchanged,
     and with another `load` returns what rewriting the original would have.
 
     Raises UnsupportedCommandError when the command line cannot be rewritten safely.
     """
+    if not command and image is not None and not is_vllm_openai_image(image):
+        raise UnsupportedCommandError(
+            f"the container sets only args, so it runs the entrypoint of its image {image!r}, "
+            "which preshard cannot see (it knows only the vllm-openai image's, `vllm serve`); "
+            "set command, e.g. [vllm, serve], if it starts the vLLM server"
+        )
     tokens = _container_tokens(command, args)
     append_to = "args" if (not command or args is not None) else "command"
     script = _shell_script_index([t.text for t in tokens])
