@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from preshard import reasons
 from preshard.api.models import Storage, parse_spec
@@ -24,6 +26,7 @@ from preshard.builders.target import (
 )
 from preshard.settings import Settings
 
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "deployments"
 KEY = "0123456789abcdef0123"
 SETTINGS = Settings(tools_image="tools:1")
 
@@ -410,6 +413,31 @@ def test_several_gpu_resources_need_the_spec_to_name_one() -> None:
     assert patched_resources(source, named) == {
         "limits": {"nvidia.com/gpu": "1", "example.com/gpu": "4"}
     }
+
+
+def vllm_docs_deployment(file: str) -> dict[str, Any]:
+    """A Deployment of vLLM's own Kubernetes docs (`tests/fixtures/deployments`)."""
+    loaded: dict[str, Any] = yaml.safe_load((FIXTURES / file).read_text())
+    return loaded
+
+
+def test_the_amd_deployment_of_the_vllm_docs_keeps_its_amd_gpus() -> None:
+    patched = build_patched_deployment(
+        vllm_docs_deployment("vllm-docs-k8s-amd.yaml"), target_input(container=None)
+    )
+    assert isinstance(patched, dict)
+    assert patched["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "limits": {"cpu": "10", "memory": "20G", "amd.com/gpu": "4"},
+        "requests": {"cpu": "6", "memory": "6G", "amd.com/gpu": "4"},
+    }
+
+
+def test_the_cpu_deployment_of_the_vllm_docs_is_refused() -> None:
+    refused = build_patched_deployment(
+        vllm_docs_deployment("vllm-docs-k8s-cpu.yaml"), target_input(container=None)
+    )
+    assert isinstance(refused, Refusal)
+    assert refused.reason == reasons.NO_GPU_RESOURCE
 
 
 def test_restore_gives_back_another_vendors_resources() -> None:
