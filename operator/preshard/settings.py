@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from preshard import __version__
+from preshard.quantity import QuantityError, whole_bytes
 
 ENV_PREFIX: Final = "PRESHARD_"
 
@@ -40,7 +41,8 @@ class Settings:
     """The most GPUs one node (and so one serialization Job) offers; larger TP sizes are refused."""
 
     scratch_size: str = "200Gi"
-    """Default size of the serialization Job's scratch volume."""
+    """Default size of the serialization Job's scratch volume (a Kubernetes quantity of at least
+    one byte, read as the spec's `scratchSize` is)."""
 
     num_readers: int = 8
     """Default tensorizer `num_readers` written into patched Deployments."""
@@ -88,6 +90,11 @@ class Settings:
                 raise SettingsError(f"{ENV_PREFIX}{name} must be at least {minimum}")
             return value
 
+        scratch_size = text("SCRATCH_SIZE", defaults.scratch_size)
+        try:
+            whole_bytes(scratch_size)
+        except QuantityError as error:
+            raise SettingsError(f"{ENV_PREFIX}SCRATCH_SIZE: {error}") from None
         log_format = text("LOG_FORMAT", defaults.log_format)
         if log_format not in ("text", "json"):
             raise SettingsError(f"{ENV_PREFIX}LOG_FORMAT must be text or json, not {log_format!r}")
@@ -102,7 +109,7 @@ class Settings:
             image_pull_policy=text("IMAGE_PULL_POLICY", defaults.image_pull_policy),
             gpu_resource_name=text("GPU_RESOURCE_NAME", defaults.gpu_resource_name),
             max_gpus_per_job=number("MAX_GPUS_PER_JOB", defaults.max_gpus_per_job, 1),
-            scratch_size=text("SCRATCH_SIZE", defaults.scratch_size),
+            scratch_size=scratch_size,
             num_readers=number("NUM_READERS", defaults.num_readers, 1),
             model_dir=text("MODEL_DIR", defaults.model_dir),
             tensorizer_dir=text("TENSORIZER_DIR", defaults.tensorizer_dir),

@@ -278,13 +278,19 @@ def test_help_explains_environment_and_exit_codes(
         ("200G", 200 * 10**9),
         ("1.5Ti", 3 << 39),
         ("1k", 1000),
+        # What the CRD accepts for scratchSize is read too.
+        ("1e11", 10**11),
+        ("+100Gi", 100 << 30),
+        (".5Ti", 1 << 39),
+        ("1.G", 10**9),
+        ("1E3", 1000),
     ],
 )
 def test_sizes_are_kubernetes_quantities(text: str, size: int) -> None:
     assert parse_size(text, "--part-size") == size
 
 
-@pytest.mark.parametrize("text", ["", "12 MB", "1m", "-5", "Mi"])
+@pytest.mark.parametrize("text", ["", "12 MB", "1m", "-5", "Mi", "0", "1e1.5", "1K"])
 def test_other_sizes_are_refused(text: str) -> None:
     with pytest.raises(DataplaneError) as caught:
         parse_size(text, "--part-size")

@@ -93,6 +93,41 @@ def test_invalid_specs_name_the_field(change: dict[str, Any], message: str) -> N
     assert str(error.value).startswith("spec")
 
 
+@pytest.mark.parametrize(
+    ("serialization", "message"),
+    [
+        ({"scratchSize": "1e1.5"}, "spec.serialization.scratchSize: Value error, '1e1.5' is not"),
+        (
+            {"scratchSize": "-5Gi"},
+            "spec.serialization.scratchSize: Value error, '-5Gi' is negative",
+        ),
+        ({"scratchSize": "0"}, "spec.serialization.scratchSize: Value error, '0' is less than one"),
+        (
+            {"scratchSize": "1m"},
+            "spec.serialization.scratchSize: Value error, '1m' is less than one",
+        ),
+        (
+            {"scratchSize": "100 Gi"},
+            "spec.serialization.scratchSize: '100 Gi' has an invalid format",
+        ),
+        ({"memory": "-1Gi"}, "spec.serialization.memory: Value error, '-1Gi' is negative"),
+        ({"cpu": "1e1.5"}, "spec.serialization.cpu: Value error, '1e1.5' is not"),
+    ],
+)
+def test_quantities_kubernetes_would_refuse_are_refused(
+    serialization: dict[str, str], message: str
+) -> None:
+    with pytest.raises(InvalidSpecError) as error:
+        parse_spec({**MINIMAL, "serialization": serialization})
+    assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize("size", ["1e11", "+100Gi", ".5Ti", "1.5Ti", "200G", "1.G"])
+def test_every_size_the_crd_accepts_is_read(size: str) -> None:
+    spec = parse_spec({**MINIMAL, "serialization": {"scratchSize": size, "memory": size}})
+    assert spec.serialization.scratch_size == size
+
+
 def test_an_invalid_value_is_shown_shortened() -> None:
     with pytest.raises(InvalidSpecError) as error:
         parse_spec({**MINIMAL, "storage": {"uri": "x" * 500}})

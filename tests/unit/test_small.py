@@ -102,6 +102,14 @@ def test_settings_from_environment() -> None:
         Settings.from_env({"PRESHARD_LOG_FORMAT": "xml"})
 
 
+def test_the_default_scratch_size_is_read_as_the_specs() -> None:
+    assert Settings.from_env({"PRESHARD_SCRATCH_SIZE": "1e12"}).scratch_size == "1e12"
+    assert Settings.from_env({"PRESHARD_SCRATCH_SIZE": ".5Ti"}).scratch_size == ".5Ti"
+    for bad in ("200 GB", "1e1.5", "0", "-1Gi"):
+        with pytest.raises(SettingsError, match="PRESHARD_SCRATCH_SIZE: "):
+            Settings.from_env({"PRESHARD_SCRATCH_SIZE": bad})
+
+
 @pytest.mark.parametrize(
     ("uri", "bucket", "prefix"),
     [

@@ -24,6 +24,7 @@ from pydantic.alias_generators import to_camel
 
 from preshard.engine_args import RESERVED_ENGINE_ARGS
 from preshard.layout import S3_URI_PATTERN
+from preshard.quantity import QUANTITY_PATTERN, QuantityError, parse_quantity, whole_bytes
 
 GROUP: Final = "preshard.dev"
 VERSION: Final = "v1alpha1"
@@ -35,10 +36,6 @@ SHORT_NAMES: Final = ("shm",)
 # Tensor-parallel sizes vLLM can shard attention heads over on one node.
 TENSOR_PARALLEL_SIZES: Final = (1, 2, 4, 8, 16)
 
-QUANTITY_PATTERN: Final = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
-    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
 DNS_LABEL_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # A Secret data key: alphanumerics, '-', '_' and '.'.
@@ -60,7 +57,35 @@ ResourceName = Annotated[
 SecretKey = Annotated[
     str, StringConstraints(min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN)
 ]
-Quantity = Annotated[str, StringConstraints(max_length=64, pattern=QUANTITY_PATTERN)]
+
+
+def _kubernetes_quantity(value: str) -> str:
+    # The CRD's pattern is the one Kubernetes publishes; its parser is stricter (`1e1.5`), and a
+    # request, limit or size is never negative. One parser reads every quantity preshard uses.
+    try:
+        parsed = parse_quantity(value)
+    except QuantityError as error:
+        raise ValueError(str(error)) from None
+    if parsed < 0:
+        raise ValueError(f"{value!r} is negative")
+    return value
+
+
+def _byte_size(value: str) -> str:
+    try:
+        whole_bytes(value)
+    except QuantityError as error:
+        raise ValueError(str(error)) from None
+    return value
+
+
+Quantity = Annotated[
+    str,
+    StringConstraints(max_length=64, pattern=QUANTITY_PATTERN),
+    AfterValidator(_kubernetes_quantity),
+]
+# A size in bytes: at least one whole byte, as `preshard serialize` reads it.
+ByteSize = Annotated[Quantity, AfterValidator(_byte_size)]
 LabelKey = Annotated[
     str, StringConstraints(min_length=1, max_length=317, pattern=LABEL_KEY_PATTERN)
 ]
@@ -308,7 +333,7 @@ class Serialization(ApiModel):
     backoff_limit: Annotated[int, Field(ge=0, le=10)] = 2
     """How many times a failed serialization pod is retried (bad input is never retried)."""
 
-    scratch_size: Quantity | None = None
+    scratch_size: ByteSize | None = None
     """Size of the local scratch volume the rank files (and an s3:// source) are written to before
     upload. Defaults to the operator's setting; make it at least twice the model's size.
     """

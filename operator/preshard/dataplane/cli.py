@@ -24,6 +24,7 @@ from preshard.dataplane import logs
 from preshard.dataplane.errors import DataplaneError
 from preshard.layout import InvalidURIError, S3Location
 from preshard.outcome import DEFAULT_TERMINATION_LOG, EXIT_CODES, Command, Outcome, exit_code
+from preshard.quantity import QuantityError, whole_bytes
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -32,14 +33,6 @@ if TYPE_CHECKING:
 
 TERMINATION_LOG_ENV: Final = "PRESHARD_TERMINATION_LOG"
 ARTIFACT_KEY_PATTERN: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-# A byte count as a Kubernetes quantity (what an emptyDir's sizeLimit holds): `67108864`,
-# `64Mi`, `200G`, `1.5Ti`.
-_SIZE_PATTERN: Final = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
-_SIZE_UNITS: Final[dict[str | None, int]] = {
-    None: 1,
-    **{s: 1 << (10 * (i + 1)) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
-    **{s: 1000 ** (i + 1) for i, s in enumerate(("k", "M", "G", "T", "P", "E"))},
-}
 _MESSAGE_LIMIT: Final = 1000
 
 _COMMON_ENV = """\
@@ -482,11 +475,17 @@ def _positive_int(value: str, flag: str) -> int:
 
 
 def parse_size(value: str, flag: str) -> int:
-    """A byte count given as digits or a Kubernetes quantity (`64Mi`, `200G`, `1.5Ti`)."""
-    match = _SIZE_PATTERN.match(value.strip())
-    if not match:
-        raise _invalid(f"{flag} {value!r} is not a size in bytes (like 67108864, 64Mi or 200G)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+    """A byte count given as a Kubernetes quantity (`67108864`, `64Mi`, `1e11`, `.5Ti`).
+
+    Read by the same parser as the spec's `scratchSize` (what an `emptyDir`'s `sizeLimit`
+    holds), so every size the ShardedModel accepts is accepted here.
+    """
+    try:
+        return whole_bytes(value.strip())
+    except QuantityError as error:
+        raise _invalid(
+            f"{flag} {value!r} is not a size in bytes (like 67108864, 64Mi or 1e11): {error}"
+        ) from None
 
 
 def _location(uri: str, flag: str) -> S3Location:
