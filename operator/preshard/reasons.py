@@ -18,6 +18,8 @@ VERIFYING: Final = "Verifying"
 VERIFIED: Final = "Verified"
 CONFIG_FETCHED: Final = "ConfigFetched"
 PATCHED: Final = "Patched"
+ROLLING_OUT: Final = "RollingOut"
+SCALED_TO_ZERO: Final = "ScaledToZero"
 NO_TARGETS: Final = "NoTargets"
 WAITING_FOR_SHARDS: Final = "WaitingForShards"
 DELETED: Final = "Deleted"
@@ -63,6 +65,10 @@ EVICTED: Final = "Evicted"
 SECRET_NOT_FOUND: Final = "SecretNotFound"  # noqa: S105 - a reason, not a secret
 IMAGE_PULL_FAILED: Final = "ImagePullFailed"
 UNSCHEDULABLE: Final = "Unschedulable"
+
+# Failures the controller sees on patched Deployments and their pods.
+TARGET_UNAVAILABLE: Final = "TargetUnavailable"
+ROLLOUT_FAILED: Final = "RolloutFailed"
 
 # Deletion.
 CLEANUP_FAILED: Final = "CleanupFailed"

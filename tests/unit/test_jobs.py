@@ -163,7 +163,11 @@ def test_serialize_job() -> None:
                                 {"name": "TMPDIR", "value": "/var/run/preshard/scratch/tmp"},
                             ],
                             "resources": {
-                                "requests": {"nvidia.com/gpu": "2", "memory": "200Gi"},
+                                "requests": {
+                                    "nvidia.com/gpu": "2",
+                                    "ephemeral-storage": "500Gi",
+                                    "memory": "200Gi",
+                                },
                                 "limits": {"nvidia.com/gpu": "2", "memory": "200Gi"},
                             },
                             "volumeMounts": [
@@ -294,7 +298,7 @@ def test_minimal_spec_uses_settings_defaults() -> None:
     container = pod["containers"][0]
     assert container["image"] == "serializer:1"
     assert container["resources"] == {
-        "requests": {"nvidia.com/gpu": "2"},
+        "requests": {"nvidia.com/gpu": "2", "ephemeral-storage": "200Gi"},
         "limits": {"nvidia.com/gpu": "2"},
     }
     assert "--encryption-keyfile" not in container["args"]
@@ -305,6 +309,18 @@ def test_minimal_spec_uses_settings_defaults() -> None:
     assert "--deep" in verify["spec"]["template"]["spec"]["containers"][0]["args"]
     assert verify["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
     assert "env" not in verify["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("size", ["1e11", "+100Gi", ".5Ti", "500Gi"])
+def test_the_scratch_volume_is_requested_as_ephemeral_storage(size: str) -> None:
+    spec = {**SPEC, "serialization": {"scratchSize": size}}
+    pod = build_serialize_job(job_input(spec))["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["requests"]["ephemeral-storage"] == size
+    assert "ephemeral-storage" not in container["resources"]["limits"]
+    assert pod["volumes"][0] == {"name": "scratch", "emptyDir": {"sizeLimit": size}}
+    args = container["args"]
+    assert args[args.index("--scratch-size-limit") + 1] == size
 
 
 def test_gpu_resource_name_from_spec() -> None:

@@ -19,8 +19,8 @@ from preshard.api.models import parse_spec
 from preshard.api.status import ShardedModelStatus
 from preshard.builders.common import Owner
 from preshard.builders.target import ANNOTATION_OWNER
-from preshard.controller.observe import JobView, PodView
-from preshard.controller.plan import Observed, Plan, Resource, plan
+from preshard.controller.observe import JobView, PodView, TargetPodView, target_pod_view
+from preshard.controller.plan import Event, Observed, Plan, Resource, plan
 from preshard.outcome import Outcome, exit_code
 from preshard.settings import Settings
 
@@ -63,8 +63,24 @@ def deployment(name: str = "vllm", args: list[str] | None = None) -> dict[str, A
                 },
             },
         },
-        "status": {"observedGeneration": 1, "updatedReplicas": 2, "availableReplicas": 2},
+        "status": {
+            "observedGeneration": 1,
+            "replicas": 2,
+            "updatedReplicas": 2,
+            "availableReplicas": 2,
+            "conditions": [progressing("True", "NewReplicaSetAvailable")],
+        },
     }
+
+
+def progressing(status: str, reason: str) -> dict[str, Any]:
+    """The Deployment controller's Progressing condition."""
+    messages = {
+        "NewReplicaSetAvailable": 'ReplicaSet "vllm-5d8f" has successfully progressed.',
+        "ReplicaSetUpdated": 'ReplicaSet "vllm-7c9b" is progressing.',
+        "ProgressDeadlineExceeded": 'ReplicaSet "vllm-7c9b" has timed out progressing.',
+    }
+    return {"type": "Progressing", "status": status, "reason": reason, "message": messages[reason]}
 
 
 class World:
@@ -76,6 +92,7 @@ class World:
         self.status = ShardedModelStatus()
         self.jobs: dict[str, JobView] = {}
         self.deployments = deployments or {"vllm": deployment()}
+        self.pods: dict[str, tuple[TargetPodView, ...]] = {}
         self.now = NOW
         self.generation = 1
         self.last: Plan | None = None
@@ -85,7 +102,7 @@ class World:
             jobs=dict(self.jobs),
             deployments=copy.deepcopy(self.deployments),
             now=self.now,
-            **overrides,
+            **{"target_pods": dict(self.pods), **overrides},
         )
         resource = Resource(
             owner=Owner(name="llama", namespace="ns", uid="uid-1"),
@@ -135,9 +152,36 @@ class World:
         )
 
     def roll_out(self) -> None:
-        """The Deployment controller finishes every rollout."""
+        """The Deployment controller finishes every rollout: every replica updated, available."""
         for item in self.deployments.values():
-            item["status"]["observedGeneration"] = item["metadata"]["generation"]
+            replicas = item["spec"]["replicas"]
+            item["status"] = {
+                "observedGeneration": item["metadata"]["generation"],
+                "replicas": replicas,
+                "updatedReplicas": replicas,
+                "availableReplicas": replicas,
+                "conditions": [progressing("True", "NewReplicaSetAvailable")],
+            }
+
+    def start_rollout(self, name: str = "vllm") -> None:
+        """The Deployment controller saw the new template: one new pod, not available yet, beside
+        the old ones."""
+        item = self.deployments[name]
+        replicas = item["spec"]["replicas"]
+        item["status"] = {
+            "observedGeneration": item["metadata"]["generation"],
+            "replicas": replicas + 1,
+            "updatedReplicas": 1,
+            "availableReplicas": replicas,
+            "conditions": [progressing("True", "ReplicaSetUpdated")],
+        }
+
+    def exceed_deadline(self, name: str = "vllm") -> None:
+        """The new pods never became available within `progressDeadlineSeconds`."""
+        self.start_rollout(name)
+        self.deployments[name]["status"]["conditions"] = [
+            progressing("False", "ProgressDeadlineExceeded")
+        ]
 
     def condition(self, type_: str) -> tuple[str, str]:
         found = conditions.find(self.status.conditions, type_)
@@ -209,6 +253,7 @@ def drive_to_ready(world: World) -> None:
     world.step()
     world.finish(world.only_set().job, verified())
     world.step()
+    world.roll_out()
     world.step()
 
 
@@ -236,6 +281,9 @@ def test_an_existing_set_is_reused_without_a_gpu() -> None:
     )
     (patch,) = result.patches
     assert patch.name == "vllm"
+    world.step()
+    assert world.condition(conditions.READY) == ("False", reasons.ROLLING_OUT)
+    world.roll_out()
     world.step()
     assert world.condition(conditions.READY) == ("True", reasons.READY)
     assert world.condition(conditions.SERIALIZED) == ("True", reasons.ALREADY_SERIALIZED)
@@ -265,9 +313,19 @@ def test_full_lifecycle_serialize_verify_patch_ready() -> None:
     assert world.only_set().stage == "Verified"
     assert world.only_set().next_check == "2026-12-01T13:00:00Z"
     (target,) = world.status.targets
-    assert (target.state, target.tensor_parallel_size) == ("Patched", 2)
+    assert (target.state, target.reason, target.tensor_parallel_size, target.rollout) == (
+        "RollingOut",
+        reasons.ROLLING_OUT,
+        2,
+        "in progress",
+    )
+    assert world.condition(conditions.TARGETS_PATCHED) == ("True", reasons.PATCHED)
+    assert world.condition(conditions.READY) == ("False", reasons.ROLLING_OUT)
 
+    world.roll_out()
     converged = world.step()
+    (target,) = world.status.targets
+    assert (target.state, target.reason, target.rollout) == ("Patched", reasons.PATCHED, "complete")
     assert (converged.create_jobs, converged.patches, converged.delete_jobs) == ([], [], [])
     assert world.condition(conditions.READY) == ("True", reasons.READY)
     assert world.condition(conditions.TARGETS_PATCHED) == ("True", reasons.PATCHED)
@@ -460,6 +518,7 @@ def test_target_missing_then_appearing() -> None:
     assert world.condition(conditions.READY) == ("False", reasons.TARGET_NOT_FOUND)
     world.deployments = {"vllm": deployment()}
     assert [p.name for p in world.step().patches] == ["vllm"]
+    world.roll_out()
     world.step()
     assert world.condition(conditions.READY) == ("True", reasons.READY)
 
@@ -575,3 +634,276 @@ def test_selector_targets_every_matching_deployment() -> None:
     assert [t.name for t in world.status.targets] == ["a", "b"]
     assert world.condition(conditions.READY) == ("True", reasons.READY)
     assert "annotations" not in world.deployments["c"]["metadata"]
+
+
+# Targets serve once their rollout completes -------------------------------------------------
+
+CRASH = (
+    "RuntimeError: CUDA error: out of memory while loading model-rank-001.tensors "
+    "AWS_SECRET_ACCESS_KEY=hunter2"
+)
+
+
+def patched_pod(
+    item: dict[str, Any], name: str, *, crash: str | None = None, template_hash: str = "7c9b"
+) -> TargetPodView:
+    """A pod the Deployment's current template makes, crash-looping with `crash` if given."""
+    pod_spec = copy.deepcopy(item["spec"]["template"]["spec"])
+    statuses: list[dict[str, Any]] = [
+        {"name": c["name"], "ready": crash is None, "restartCount": 0, "state": {"running": {}}}
+        for c in pod_spec["containers"]
+    ]
+    if crash is not None:
+        statuses[0].update(
+            restartCount=3,
+            state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+            lastState={"terminated": {"exitCode": 1, "reason": "Error", "message": crash}},
+        )
+    pod = {
+        "metadata": {
+            "name": name,
+            "creationTimestamp": "2026-12-01T12:00:00Z",
+            "labels": {"app": "vllm", "pod-template-hash": template_hash},
+            "ownerReferences": [
+                {"kind": "ReplicaSet", "name": f"vllm-{template_hash}", "controller": True}
+            ],
+        },
+        "spec": pod_spec,
+        "status": {"phase": "Running", "containerStatuses": statuses},
+    }
+    view = target_pod_view(pod)
+    assert view is not None
+    return view
+
+
+def patch_and_restore_spec(policy: str) -> dict[str, Any]:
+    return {**BASE_SPEC, "targets": [{"name": "vllm", "onRolloutFailure": policy}]}
+
+
+def drive_to_patched(world: World) -> str:
+    """Verify the set and patch the Deployment, without finishing its rollout; the set's URI."""
+    world.step()
+    world.finish(world.only_set().job, verified())
+    assert [p.name for p in world.step().patches] == ["vllm"]
+    return str(world.only_set().uri)
+
+
+def target_of(world: World) -> tuple[str, str, str | None]:
+    (state,) = world.status.targets
+    return state.state, state.reason, state.rollout
+
+
+def test_ready_waits_until_every_replica_runs_the_patched_template() -> None:
+    world = World()
+    world.step()
+    world.finish(world.only_set().job, verified())
+    result = world.step()
+    uri = world.only_set().uri
+    assert [p.name for p in result.patches] == ["vllm"]
+    assert target_of(world) == ("RollingOut", reasons.ROLLING_OUT, "in progress")
+    assert world.condition(conditions.READY) == ("False", reasons.ROLLING_OUT)
+    assert world.condition(conditions.TARGETS_PATCHED) == ("True", reasons.PATCHED)
+    assert (
+        Event(
+            "Normal",
+            reasons.ROLLING_OUT,
+            f"Deployment vllm: rolling out the patched template that loads {uri}",
+        )
+        in result.events
+    )
+
+    # The Deployment controller starts the rollout: the new pod is not available yet, and the
+    # old ones still serve. Nothing changes in the status, so nothing is written.
+    before = world.status
+    world.start_rollout()
+    world.pods = {"vllm": (patched_pod(world.deployments["vllm"], "vllm-7c9b-a"),)}
+    result = world.step()
+    assert (result.patches, result.events, result.status) == ([], [], before)
+
+    # Every replica updated, but one old pod is still counted: not complete yet.
+    status = world.deployments["vllm"]["status"]
+    status.update(updatedReplicas=2, availableReplicas=2, replicas=3)
+    assert world.step().status == before
+
+    world.roll_out()
+    result = world.step()
+    assert target_of(world) == ("Patched", reasons.PATCHED, "complete")
+    assert world.condition(conditions.READY) == ("True", reasons.READY)
+    assert result.events == [], "the rollout the patch event announced is no news"
+
+
+def test_a_deployment_not_yet_seen_by_its_controller_is_still_rolling_out() -> None:
+    world = World()
+    drive_to_patched(world)
+    # Counts from the old template look complete, but the controller has not seen the new one.
+    assert world.deployments["vllm"]["status"]["observedGeneration"] == 1
+    assert world.deployments["vllm"]["metadata"]["generation"] == 2
+    world.step()
+    assert target_of(world) == ("RollingOut", reasons.ROLLING_OUT, "in progress")
+
+
+def test_a_deployment_scaled_to_zero_is_ready_and_serves_nothing() -> None:
+    world = World()
+    world.deployments["vllm"]["spec"]["replicas"] = 0
+    world.deployments["vllm"]["status"] = {"observedGeneration": 1}
+    uri = drive_to_patched(world)
+    world.roll_out()
+    result = world.step()
+    (state,) = world.status.targets
+    assert (state.state, state.reason, state.rollout, state.message) == (
+        "Patched",
+        reasons.SCALED_TO_ZERO,
+        "scaled to zero",
+        f"loads {uri}; scaled to zero replicas, it serves nothing",
+    )
+    assert world.condition(conditions.READY) == ("True", reasons.READY)
+    assert result.events == [
+        Event(
+            "Normal",
+            reasons.SCALED_TO_ZERO,
+            f"Deployment vllm: loads {uri}; scaled to zero replicas, it serves nothing",
+        )
+    ]
+
+
+def test_a_crash_looping_patched_pod_makes_the_target_unavailable() -> None:
+    world = World()
+    uri = drive_to_patched(world)
+    world.start_rollout()
+    current = world.deployments["vllm"]
+    world.pods = {
+        "vllm": (
+            patched_pod(current, "vllm-7c9b-ok"),
+            patched_pod(current, "vllm-7c9b-bad", crash=CRASH),
+        )
+    }
+    result = world.step()
+    expected = (
+        f"patched pods of {uri} fail: pod vllm-7c9b-bad container vllm: CrashLoopBackOff, "
+        "exit code 1: RuntimeError: CUDA error: out of memory while loading "
+        "model-rank-001.tensors AWS_SECRET_ACCESS_KEY=<redacted>"
+    )
+    (state,) = world.status.targets
+    assert (state.state, state.reason, state.message) == (
+        "Unavailable",
+        reasons.TARGET_UNAVAILABLE,
+        expected,
+    )
+    assert world.condition(conditions.READY) == ("False", reasons.TARGET_UNAVAILABLE)
+    assert world.condition(conditions.TARGETS_PATCHED) == ("True", reasons.PATCHED)
+    assert result.events == [
+        Event("Warning", reasons.TARGET_UNAVAILABLE, f"Deployment vllm: {expected}")
+    ]
+    assert "hunter2" not in world.status.model_dump_json()
+    assert result.patches == [], "the patched template stays (policy Keep)"
+    assert world.step().events == [], "one event per transition"
+
+    # The pods become ready: serving again, and that is news.
+    world.pods = {"vllm": (patched_pod(current, "vllm-7c9b-ok"),)}
+    world.roll_out()
+    result = world.step()
+    assert target_of(world) == ("Patched", reasons.PATCHED, "complete")
+    assert result.events == [Event("Normal", reasons.PATCHED, f"Deployment vllm: loads {uri}")]
+
+
+def test_a_crashing_pod_of_another_template_is_not_the_patched_one() -> None:
+    world = World()
+    drive_to_patched(world)
+    world.start_rollout()
+    before = copy.deepcopy(world.deployments["vllm"])
+    container = before["spec"]["template"]["spec"]["containers"][0]
+    container["args"] = [*container["args"], "--enforce-eager"]
+    world.pods = {
+        "vllm": (patched_pod(before, "vllm-1111-bad", crash=CRASH, template_hash="1111"),)
+    }
+    world.step()
+    assert target_of(world) == ("RollingOut", reasons.ROLLING_OUT, "in progress")
+
+
+def test_a_rollout_past_its_deadline_keeps_the_patch_by_default() -> None:
+    world = World()
+    uri = drive_to_patched(world)
+    world.exceed_deadline()
+    result = world.step()
+    (state,) = world.status.targets
+    assert (state.state, state.reason, state.rollout, state.message) == (
+        "Unavailable",
+        reasons.TARGET_UNAVAILABLE,
+        "failed",
+        f"the rollout of {uri} exceeded its progress deadline "
+        '(ReplicaSet "vllm-7c9b" has timed out progressing.)',
+    )
+    assert result.patches == []
+    assert world.condition(conditions.READY) == ("False", reasons.TARGET_UNAVAILABLE)
+    assert world.step().patches == []
+
+
+def test_a_rollout_past_its_deadline_is_restored_once_with_policy_restore() -> None:
+    world = World(patch_and_restore_spec("Restore"))
+    original = copy.deepcopy(world.deployments["vllm"]["spec"]["template"])
+    uri = drive_to_patched(world)
+    key = world.only_set().artifact_key
+    world.exceed_deadline()
+    world.pods = {"vllm": (patched_pod(world.deployments["vllm"], "vllm-7c9b-x", crash=CRASH),)}
+    stalled = copy.deepcopy(world.deployments)
+    result = world.step()
+    (patch,) = result.patches
+    assert patch.restore
+    assert world.deployments["vllm"]["spec"]["template"] == original
+    annotations = world.deployments["vllm"]["metadata"].get("annotations") or {}
+    assert not [k for k in annotations if k.startswith("preshard.dev/")]
+    (state,) = world.status.targets
+    message = (
+        f"the rollout of {uri} exceeded its progress deadline (pod vllm-7c9b-x container vllm: "
+        "CrashLoopBackOff, exit code 1: RuntimeError: CUDA error: out of memory while loading "
+        "model-rank-001.tensors AWS_SECRET_ACCESS_KEY=<redacted>); the original template is "
+        "restored. A spec change or a new preshard.dev/retry value patches it again"
+    )
+    assert state.model_dump(exclude_none=True) == {
+        "name": "vllm",
+        "container": "vllm",
+        "tensor_parallel_size": 2,
+        "state": "RolledBack",
+        "reason": reasons.ROLLOUT_FAILED,
+        "message": message,
+        "rollout": "restored",
+        "failed_artifact_key": key,
+        "failed_generation": 1,
+    }
+    assert world.condition(conditions.READY) == ("False", reasons.ROLLOUT_FAILED)
+    assert world.condition(conditions.TARGETS_PATCHED) == ("False", reasons.ROLLOUT_FAILED)
+    assert [(e.type, e.reason) for e in result.events] == [
+        ("Warning", reasons.ROLLOUT_FAILED),
+        ("Normal", reasons.RESTORED),
+    ]
+
+    # A pass planned from an index that does not show the restore yet plans the same restore
+    # (the reconciler does not send it twice) and nothing else.
+    restored = world.status
+    world.pods = {}
+    world.deployments = copy.deepcopy(stalled)
+    lagging = world.step()
+    assert [p.restore for p in lagging.patches] == [True]
+    assert lagging.status == restored
+
+    # Restored, it is not patched again for the same set and spec.
+    world.roll_out()
+    before = world.status
+    for _ in range(2):
+        quiet = world.step()
+        assert (quiet.patches, quiet.events, quiet.status) == ([], [], before)
+
+    # A new value of the retry annotation patches it again.
+    world.annotations["preshard.dev/retry"] = "1"
+    again = world.step()
+    assert [p.restore for p in again.patches] == [False]
+    assert target_of(world) == ("RollingOut", reasons.ROLLING_OUT, "in progress")
+
+    # Failing again under that token, it is restored; a newer spec generation tries again.
+    world.exceed_deadline()
+    assert [p.restore for p in world.step().patches] == [True]
+    assert world.status.targets[0].retry_token == "1"
+    world.roll_out()
+    assert world.step().patches == []
+    world.generation = 2
+    assert [p.restore for p in world.step().patches] == [False]

@@ -96,7 +96,8 @@ them; only the Jobs and Deployments it creates or patches reference them, by nam
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "delete"]
-# Read the outcome of each Job from its pod's termination message.
+# Read the outcome of each Job from its pod's termination message, and see whether the pods
+# of a patched Deployment crash or never become ready.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]

@@ -31,7 +31,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "name": "Ready",
         "type": "string",
         "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
-        "description": "Whether every shard set is verified and every target patched.",
+        "description": "Whether every shard set is verified and every target rolled out to it.",
     },
     {
         "name": "Reason",

@@ -488,6 +488,14 @@ class Target(ApiModel):
     first of them.
     """
 
+    on_rollout_failure: Literal["Keep", "Restore"] = "Keep"
+    """What happens when the rollout of the patched template exceeds the Deployment's
+    `progressDeadlineSeconds`: `Keep` leaves the patched template in place (the target reports
+    TargetUnavailable until its pods become available), `Restore` puts the Deployment's original
+    template back and reports RolloutFailed; it is not patched again for the same shard set until
+    the spec changes or the `preshard.dev/retry` annotation gets a new value.
+    """
+
     @model_validator(mode="after")
     def _one_way(self) -> Target:
         if (self.name is None) == (self.selector is None):

@@ -41,7 +41,24 @@ Stage = Literal[
     "Deleting",
 ]
 
-TargetState = Literal["Patched", "Waiting", "Refused", "NotFound", "Conflict"]
+TargetState = Literal[
+    # Loads its shard set and the rollout of the patched template is complete: it serves.
+    "Patched",
+    # Patched; the Deployment controller is rolling the patched template out.
+    "RollingOut",
+    # Patched, but its pods crash or do not become available (or the rollout exceeded its
+    # progress deadline and the policy keeps the patched template).
+    "Unavailable",
+    # The patched rollout exceeded its progress deadline and the original template was restored.
+    "RolledBack",
+    # Waits for its shard set (and keeps loading the one it has, if any).
+    "Waiting",
+    # Cannot be patched safely; nothing is written.
+    "Refused",
+    "NotFound",
+    # Another ShardedModel manages it.
+    "Conflict",
+]
 
 
 class Condition(StatusModel):
@@ -147,8 +164,10 @@ class TargetStatus(StatusModel):
     """The shard set the Deployment loads now."""
 
     state: TargetState
-    """Patched, Waiting (for its shard set), Refused (cannot be patched safely), NotFound or
-    Conflict (another ShardedModel owns it).
+    """Patched (serving: the patched template is rolled out), RollingOut, Unavailable (patched pods
+    crash or never become available), RolledBack (the patched rollout failed and the original
+    template was restored), Waiting (for its shard set), Refused (cannot be patched safely),
+    NotFound or Conflict (another ShardedModel owns it).
     """
 
     reason: str = ""
@@ -158,7 +177,20 @@ class TargetStatus(StatusModel):
     """Details."""
 
     rollout: str | None = None
-    """Rollout progress, e.g. `2/3 updated, 1 available`."""
+    """Rollout of the Deployment's template: `in progress`, `complete`, `scaled to zero`,
+    `failed` or `restored`.
+    """
+
+    failed_artifact_key: str | None = None
+    """The shard set whose rollout failed and was rolled back (onRolloutFailure Restore)."""
+
+    failed_generation: int | None = None
+    """The spec generation that rollout failed under; a newer spec patches the Deployment again."""
+
+    retry_token: str | None = None
+    """The `preshard.dev/retry` annotation value when the rollout failed; a new value patches the
+    Deployment again.
+    """
 
 
 class ShardedModelStatus(StatusModel):

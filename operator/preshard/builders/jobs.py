@@ -77,7 +77,8 @@ def coerce_engine_arg(value: str) -> str | int | float | bool:
 
 
 def build_serialize_job(job: JobInput) -> Manifest:
-    """The GPU Job that writes one shard set: TP GPUs, a sized scratch volume, /dev/shm."""
+    """The GPU Job that writes one shard set: TP GPUs, a sized scratch volume (requested as
+    ephemeral storage), /dev/shm."""
     spec, settings, shard_set = job.spec, job.settings, job.shard_set
     serialization = spec.serialization
     gpu = serialization.gpu_resource_name or settings.gpu_resource_name
@@ -120,7 +121,13 @@ def build_serialize_job(job: JobInput) -> Manifest:
         {"name": "HF_HOME", "value": f"{SCRATCH_DIR}/hf"},
         {"name": "TMPDIR", "value": f"{SCRATCH_DIR}/tmp"},  # noqa: S108 - on the scratch volume
     ]
-    requests: dict[str, str] = {gpu: str(shard_set.tensor_parallel_size)}
+    # The scheduler places a pod by its requests only: without this one, a node whose disk
+    # cannot hold the scratch volume is chosen, and the kubelet evicts the pod for disk pressure
+    # once the shards fill it. The emptyDir's sizeLimit bounds what the volume may hold.
+    requests: dict[str, str] = {
+        gpu: str(shard_set.tensor_parallel_size),
+        "ephemeral-storage": scratch_size,
+    }
     limits: dict[str, str] = {gpu: str(shard_set.tensor_parallel_size)}
     if serialization.cpu:
         requests["cpu"] = serialization.cpu

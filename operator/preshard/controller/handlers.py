@@ -26,7 +26,14 @@ from preshard.api import models
 from preshard.builders import target
 from preshard.builders.common import LABEL_MANAGED_BY, LABEL_SHARDEDMODEL, MANAGED_BY
 from preshard.controller import kube
-from preshard.controller.observe import JobView, PodView, job_view, pod_view
+from preshard.controller.observe import (
+    JobView,
+    PodView,
+    TargetPodView,
+    job_view,
+    pod_view,
+    target_pod_view,
+)
 from preshard.controller.plan import Event
 from preshard.controller.reconciler import (
     CleanupPendingError,
@@ -74,6 +81,8 @@ class Wakeups:
     interests: dict[Key, Interest] = field(default_factory=dict)
     naming: dict[Key, set[str]] = field(default_factory=lambda: defaultdict(set))
     selecting: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    owners: dict[Key, str] = field(default_factory=dict)
+    """The ShardedModel that patched each Deployment, as its last watch event showed."""
 
     def register(self, key: Key) -> asyncio.Event:
         """The event a reconciler waits on. Until its interest is known, any Deployment in its
@@ -104,10 +113,16 @@ class Wakeups:
         if event is not None:
             event.set()
 
-    def wake_for_deployment(self, namespace: str, name: str, body: kopf.Body) -> None:
+    def wake_for_deployment(
+        self, namespace: str, name: str, body: kopf.Body, *, deleted: bool = False
+    ) -> None:
         """Wake the reconcilers whose targets may include this Deployment."""
         labels = dict(body.get("metadata", {}).get("labels") or {})
         owner = target.owner_of(dict(body))
+        if owner is None or deleted:
+            self.owners.pop((namespace, name), None)
+        else:
+            self.owners[(namespace, name)] = owner
         candidates = self.naming.get((namespace, name), set()) | self.selecting.get(
             namespace, set()
         )
@@ -117,6 +132,12 @@ class Wakeups:
             interest = self.interests.get((namespace, shm))
             if interest is None or interest.matches(name, labels, owner, shm):
                 self.wake((namespace, shm))
+
+    def wake_for_pod(self, namespace: str, deployment: str) -> None:
+        """Wake the reconciler that patched this Deployment (a pod of its template changed)."""
+        owner = self.owners.get((namespace, deployment))
+        if owner is not None:
+            self.wake((namespace, owner))
 
     def _forget_interest(self, key: Key) -> None:
         namespace, name = key
@@ -185,6 +206,17 @@ async def pod_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels,
     return {(namespace, job_name): pod_view(dict(body))}
 
 
+# kopf watches all pods (a handler's label filter is applied to the stream, not sent to the API
+# server), so this index costs no request of its own: it keeps the few pods of patched templates.
+@kopf.index("", "v1", "pods")
+async def target_pod_index(namespace: str | None, body: kopf.Body, **_: Any) -> Any:
+    """Pods of patched Deployments: `(namespace, Deployment name) -> TargetPodView`."""
+    view = target_pod_view(dict(body))
+    if view is None or namespace is None:
+        return None
+    return {(namespace, view.deployment): view}
+
+
 @kopf.index("apps", "v1", "deployments")
 async def deployment_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> Any:
     """Deployments by namespace: `namespace -> (name, manifest)`."""
@@ -215,10 +247,26 @@ def owned_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, *
 
 @kopf.on.event("apps", "v1", "deployments")
 def deployment_changed(
-    namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any
+    namespace: str | None, name: str, body: kopf.Body, type: str, memo: kopf.Memo, **_: Any
 ) -> None:
     """A Deployment changed: wake the ShardedModels that may target it."""
-    memo.wakeups.wake_for_deployment(namespace or "", name, body)
+    memo.wakeups.wake_for_deployment(namespace or "", name, body, deleted=type == "DELETED")
+
+
+def _failing_patched_pod(body: kopf.Body, **_: Any) -> bool:
+    # A filter, run on the event loop for every pod event: only a failing pod of a patched
+    # template goes on to wake anyone. A pod that recovers, or goes, changes its Deployment's
+    # status, whose event wakes the reconciler.
+    view = target_pod_view(dict(body))
+    return view is not None and bool(view.problems)
+
+
+@kopf.on.event("", "v1", "pods", when=_failing_patched_pod)
+def target_pod_failing(namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A pod of a patched Deployment crashes or cannot start: wake the ShardedModel."""
+    view = target_pod_view(dict(body))
+    if view is not None and namespace is not None:
+        memo.wakeups.wake_for_pod(namespace, view.deployment)
 
 
 @kopf.on.event(models.GROUP, models.VERSION, models.PLURAL)
@@ -263,11 +311,13 @@ async def _reconcile_once(key: Key, body: kopf.Body, memo: kopf.Memo, indexes: I
     snapshot = copy.deepcopy(dict(body))
     interest = _interest(snapshot)
     memo.wakeups.set_interest(key, interest)
+    deployments = indexes.deployments_for(key, interest)
     observed = observed_for(
         indexes.jobs_of(key),
-        indexes.deployments_for(key, interest),
+        deployments,
         indexes.sets_elsewhere(key, _set_uris(snapshot)),
         now_utc(),
+        target_pods=indexes.target_pods_of(key[0], deployments),
     )
     reconciler: Reconciler = memo.reconciler
     result = await asyncio.to_thread(reconciler.reconcile, snapshot, observed)
@@ -321,6 +371,7 @@ class Indexes:
     pods: kopf.Index[Key, PodView]
     deployments: kopf.Index[str, tuple[str, dict[str, Any]]]
     shard_sets: kopf.Index[str, Key]
+    target_pods: kopf.Index[Key, TargetPodView]
 
     @classmethod
     def of(cls, kwargs: dict[str, Any]) -> Indexes:
@@ -330,6 +381,7 @@ class Indexes:
             pods=kwargs["pod_index"],
             deployments=kwargs["deployment_index"],
             shard_sets=kwargs["shard_set_index"],
+            target_pods=kwargs["target_pod_index"],
         )
 
     def jobs_of(self, key: Key) -> dict[str, JobView]:
@@ -353,6 +405,13 @@ class Indexes:
                 name,
             )
         }
+
+    def target_pods_of(
+        self, namespace: str, deployments: Iterable[str]
+    ) -> dict[str, tuple[TargetPodView, ...]]:
+        """The pods of patched templates of these Deployments, by Deployment name."""
+        found = {name: tuple(self.target_pods.get((namespace, name), ())) for name in deployments}
+        return {name: pods for name, pods in found.items() if pods}
 
     def sets_elsewhere(self, key: Key, uris: Iterable[str]) -> frozenset[str]:
         """Which of these shard set URIs another ShardedModel lists too."""

@@ -7,15 +7,48 @@ functions turn raw objects into the small summaries the indexes hold and the pla
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from preshard import reasons
 from preshard.builders.common import LABEL_COMMAND
 from preshard.builders.jobs import CONTAINER
+from preshard.builders.rollout import container_digest
+from preshard.builders.target import INIT_CONTAINER
 from preshard.outcome import Command, Outcome, reason_for_exit_code
 
 Manifest = dict[str, Any]
+
+# Why a container of a patched pod does not run: the kubelet's waiting reasons that need a
+# change to go away (not `ContainerCreating` or `PodInitializing`, which pass on their own).
+FAILING_WAITING: Final = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+        "PreStartHookError",
+        "PostStartHookError",
+    }
+)
+# How much of a container's termination message a pod view keeps: its end, where a crash says why.
+QUOTE_LIMIT: Final = 400
+POD_TEMPLATE_HASH: Final = "pod-template-hash"
+# `NAME=value`, `"name": "value"` and `--name value` spellings of credentials, and AWS access
+# key ids, are masked in the quoted text: a crashing program may print its environment.
+_SECRET_NAME: Final = (
+    r"[A-Za-z0-9_.-]*(?:secret|token|password|passwd|api[-_]?key|access[-_]?key)"  # noqa: S105
+    r"(?:[_-][A-Za-z0-9_-]*)?"
+)
+_SECRET_PATTERNS: Final = (
+    re.compile(rf"(?i)(['\"]?\b{_SECRET_NAME}['\"]?\s*[=:]\s*)('[^']*'|\"[^\"]*\"|[^\s,}}]+)"),
+    re.compile(rf"(?i)(--{_SECRET_NAME}[= ])(\S+)"),
+    re.compile(r"()\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"),
+)
 
 
 @dataclass(frozen=True)
@@ -177,3 +210,126 @@ def _success_reason(command: Command) -> str:
         "delete": reasons.DELETED,
         "fetch-config": reasons.CONFIG_FETCHED,
     }[command]
+
+
+@dataclass(frozen=True)
+class ContainerProblem:
+    """Why one container of a patched pod is not running."""
+
+    container: str
+    reason: str
+    message: str
+    exit_code: int | None = None
+
+    def describe(self, pod: str) -> str:
+        """One line for a condition or an event."""
+        code = f", exit code {self.exit_code}" if self.exit_code is not None else ""
+        text = f"pod {pod} container {self.container}: {self.reason}{code}"
+        return f"{text}: {self.message}" if self.message else text
+
+
+@dataclass(frozen=True)
+class TargetPodView:
+    """A pod of a Deployment preshard patched: what it runs and what, if anything, fails.
+
+    Only pods with preshard's init container are kept (pods of a patched template); what they
+    run is kept as digests (`builders.rollout.container_digest`), never the spec's text.
+    """
+
+    name: str
+    created: str
+    deployment: str
+    init_digest: str
+    digests: tuple[tuple[str, str], ...]
+    problems: tuple[ContainerProblem, ...] = ()
+
+    def runs(self, init_digest: str, container: str | None, digest: str) -> bool:
+        """Whether this pod runs the template these digests come from."""
+        return self.init_digest == init_digest and (container, digest) in self.digests
+
+    def problem(self, container: str | None) -> ContainerProblem | None:
+        """The first problem of preshard's init container or the named container."""
+        return next((p for p in self.problems if p.container in (INIT_CONTAINER, container)), None)
+
+
+def target_pod_view(pod: Manifest) -> TargetPodView | None:
+    """Summarise a pod of a patched Deployment; None for any other pod."""
+    metadata, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    init = next(
+        (c for c in spec.get("initContainers") or [] if c.get("name") == INIT_CONTAINER), None
+    )
+    deployment = _deployment_of(metadata)
+    if init is None or deployment is None:
+        return None
+    status = pod.get("status") or {}
+    statuses = [
+        *(s for s in status.get("initContainerStatuses") or [] if s.get("name") == INIT_CONTAINER),
+        *(status.get("containerStatuses") or []),
+    ]
+    problems = tuple(p for p in map(_container_problem, statuses) if p is not None)
+    return TargetPodView(
+        name=str(metadata.get("name", "")),
+        created=str(metadata.get("creationTimestamp", "")),
+        deployment=deployment,
+        init_digest=container_digest(init),
+        digests=tuple(
+            (str(c.get("name")), container_digest(c)) for c in spec.get("containers") or []
+        ),
+        problems=problems,
+    )
+
+
+def quote(text: str | None) -> str:
+    """A container's own words, fit for a condition or an event: its end, credentials masked."""
+    cleaned = " ".join((text or "").split())
+    for pattern in _SECRET_PATTERNS:
+        cleaned = pattern.sub(lambda m: f"{m.group(1)}<redacted>", cleaned)
+    if len(cleaned) > QUOTE_LIMIT:
+        cleaned = "..." + cleaned[-(QUOTE_LIMIT - 3) :]
+    return cleaned
+
+
+def _deployment_of(metadata: Manifest) -> str | None:
+    """The Deployment a pod belongs to: its ReplicaSet is named `<deployment>-<template hash>`."""
+    template_hash = (metadata.get("labels") or {}).get(POD_TEMPLATE_HASH)
+    owner = next(
+        (
+            o
+            for o in metadata.get("ownerReferences") or []
+            if o.get("kind") == "ReplicaSet" and o.get("controller")
+        ),
+        None,
+    )
+    if not template_hash or owner is None:
+        return None
+    name = str(owner.get("name", ""))
+    suffix = f"-{template_hash}"
+    return name[: -len(suffix)] if name.endswith(suffix) and len(name) > len(suffix) else None
+
+
+def _container_problem(status: Manifest) -> ContainerProblem | None:
+    """Why a container is not running, if it crashed or cannot start; None while it is ready,
+    starting, or running without having crashed."""
+    if status.get("ready"):
+        return None
+    name = str(status.get("name", ""))
+    state = status.get("state") or {}
+    waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}
+    last = (status.get("lastState") or {}).get("terminated") or {}
+    if waiting.get("reason") in FAILING_WAITING:
+        # Between restarts the last termination says why it crashed; else the kubelet's words.
+        said = last.get("message") or waiting.get("message") or ""
+        code = last.get("exitCode") if last else None
+        return ContainerProblem(name, str(waiting["reason"]), quote(said), code)
+    failed = terminated if terminated.get("exitCode") not in (None, 0) else None
+    if failed is None and int(status.get("restartCount") or 0) > 0:
+        # Running again after a crash but not ready: still crash-looping.
+        failed = last if last.get("exitCode") not in (None, 0) else None
+    if failed is None:
+        return None
+    return ContainerProblem(
+        name,
+        str(failed.get("reason") or "Error"),
+        quote(failed.get("message")),
+        failed.get("exitCode"),
+    )

@@ -30,7 +30,8 @@ from preshard.api.status import (
 )
 from preshard.builders import jobs, target
 from preshard.builders.common import Manifest, Owner, ShardSet
-from preshard.controller.observe import JobView
+from preshard.builders.rollout import Rollout, rollout_of, template_digests
+from preshard.controller.observe import JobView, TargetPodView
 from preshard.identity import artifact_key
 from preshard.outcome import Outcome
 from preshard.settings import Settings
@@ -55,6 +56,9 @@ TRANSIENT: Final = frozenset(
 SERIALIZE_RETRIED: Final = frozenset({reasons.UNREACHABLE, reasons.EVICTED})
 SERIALIZE_RUNS: Final = 3
 MESSAGE_LIMIT: Final = 1024
+# Target states whose Deployment loads its set (TargetsPatched), and those that need a person.
+PATCHED_STATES: Final = frozenset({"Patched", "RollingOut", "Unavailable"})
+TROUBLED_STATES: Final = frozenset({"Refused", "Conflict", "NotFound", "Unavailable", "RolledBack"})
 
 EventType = Literal["Normal", "Warning"]
 
@@ -106,6 +110,8 @@ class Observed:
     now: datetime
     sets_used_elsewhere: frozenset[str] = frozenset()
     """URIs of this resource's shard sets that another ShardedModel lists too."""
+    target_pods: Mapping[str, tuple[TargetPodView, ...]] = field(default_factory=dict)
+    """The pods of patched templates, by Deployment name."""
 
 
 @dataclass(frozen=True)
@@ -532,7 +538,7 @@ class _Planner:
                         if failed and wanted_entry
                         else ""
                     ),
-                    "rollout": target.rollout_state(deployment) if applied else None,
+                    "rollout": rollout_of(deployment).summary if applied else None,
                 }
             )
         target_input = target.TargetInput(
@@ -556,6 +562,21 @@ class _Planner:
             desired["spec"]["template"]["spec"], spec_target.container
         )
         container_name = container.get("name") if isinstance(container, dict) else None
+        switched = serving.artifact_key == wanted.artifact_key
+        base = base.model_copy(
+            update={
+                "container": container_name,
+                "artifact_key": serving.artifact_key,
+                "tensor_parallel_size": serving.tensor_parallel_size,
+            }
+        )
+        rolled_back = self._rolled_back(name, serving.artifact_key)
+        if rolled_back is not None:
+            # Its patched rollout failed and the original template was put back: not again for
+            # this set until the spec or the retry annotation changes.
+            if owner == self.resource.owner.name:
+                self._restore(name, deployment)  # the restore is not in the index yet
+            return rolled_back
         if target.managed_view(desired, container_name) != target.managed_view(
             deployment, container_name
         ):
@@ -566,29 +587,139 @@ class _Planner:
                     planned_from=target.identity_of(deployment),
                 )
             )
-            rollout = "in progress"
-        else:
-            rollout = target.rollout_state(deployment)
-        switched = serving.artifact_key == wanted.artifact_key
-        image_note = _image_note(deployment, container_name)
+            if not switched:
+                return base.model_copy(
+                    update={
+                        "reason": reasons.WAITING_FOR_SHARDS,
+                        "message": f"serves {serving.uri} until TP {tp} set "
+                        f"{wanted.artifact_key} is verified",
+                        "rollout": "in progress",
+                    }
+                )
+            return base.model_copy(
+                update={
+                    "state": "RollingOut",
+                    "reason": reasons.ROLLING_OUT,
+                    "message": f"rolling out the patched template that loads {serving.uri}",
+                    "rollout": "in progress",
+                }
+            )
+        rollout = rollout_of(deployment)
+        if not switched:
+            return base.model_copy(
+                update={
+                    "reason": reasons.WAITING_FOR_SHARDS,
+                    "message": f"serves {serving.uri} until TP {tp} set "
+                    f"{wanted.artifact_key} is verified",
+                    "rollout": rollout.summary,
+                }
+            )
+        return self._rollout_state(name, spec_target, deployment, base, serving, rollout)
+
+    def _rollout_state(
+        self,
+        name: str,
+        spec_target: models.Target,
+        deployment: Manifest,
+        base: TargetStatus,
+        serving: ShardSet,
+        rollout: Rollout,
+    ) -> TargetStatus:
+        """The state of a patched target from its rollout and its pods."""
+        container_name = base.container
+        if rollout.serving:
+            image_note = _image_note(deployment, container_name)
+            scaled = rollout.phase == "ScaledToZero"
+            return base.model_copy(
+                update={
+                    "state": "Patched",
+                    "reason": reasons.TARGET_IMAGE_CHANGED
+                    if image_note
+                    else reasons.SCALED_TO_ZERO
+                    if scaled
+                    else reasons.PATCHED,
+                    "message": image_note
+                    or f"loads {serving.uri}"
+                    + ("; scaled to zero replicas, it serves nothing" if scaled else ""),
+                    "rollout": rollout.summary,
+                }
+            )
+        problem = self._pod_problem(name, deployment, container_name)
+        if rollout.phase == "DeadlineExceeded":
+            failure = f"the rollout of {serving.uri} exceeded its progress deadline"
+            detail = problem or rollout.detail
+            if spec_target.on_rollout_failure == "Restore":
+                self._restore(name, deployment)
+                return base.model_copy(
+                    update={
+                        "state": "RolledBack",
+                        "artifact_key": None,
+                        "reason": reasons.ROLLOUT_FAILED,
+                        "message": _clip(
+                            f"{failure} ({detail}); the original template is restored. A spec "
+                            f"change or a new {ANNOTATION_RETRY} value patches it again"
+                        ),
+                        "rollout": "restored",
+                        "failed_artifact_key": serving.artifact_key,
+                        "failed_generation": self.resource.generation,
+                        "retry_token": self.resource.annotations.get(ANNOTATION_RETRY),
+                    }
+                )
+            return base.model_copy(
+                update={
+                    "state": "Unavailable",
+                    "reason": reasons.TARGET_UNAVAILABLE,
+                    "message": _clip(f"{failure} ({detail})"),
+                    "rollout": rollout.summary,
+                }
+            )
+        if problem is not None:
+            return base.model_copy(
+                update={
+                    "state": "Unavailable",
+                    "reason": reasons.TARGET_UNAVAILABLE,
+                    "message": _clip(f"patched pods of {serving.uri} fail: {problem}"),
+                    "rollout": rollout.summary,
+                }
+            )
         return base.model_copy(
             update={
-                "container": container_name,
-                "artifact_key": serving.artifact_key,
-                "tensor_parallel_size": serving.tensor_parallel_size,
-                "state": "Patched" if switched else "Waiting",
-                "reason": (reasons.TARGET_IMAGE_CHANGED if image_note else reasons.PATCHED)
-                if switched
-                else reasons.WAITING_FOR_SHARDS,
-                "message": image_note
-                or (
-                    f"loads {serving.uri}"
-                    if switched
-                    else f"serves {serving.uri} until TP {tp} set {wanted.artifact_key} is verified"
-                ),
-                "rollout": rollout,
+                "state": "RollingOut",
+                "reason": reasons.ROLLING_OUT,
+                "message": f"rolling out the patched template that loads {serving.uri}",
+                "rollout": rollout.summary,
             }
         )
+
+    def _pod_problem(
+        self, name: str, deployment: Manifest, container_name: str | None
+    ) -> str | None:
+        """What the first failing pod of the current patched template says, if one fails."""
+        digests = template_digests(deployment, container_name)
+        if digests is None:
+            return None
+        pods = sorted(self.observed.target_pods.get(name, ()), key=lambda p: (p.created, p.name))
+        for pod in pods:
+            if not pod.runs(digests[0], container_name, digests[1]):
+                continue
+            problem = pod.problem(container_name)
+            if problem is not None:
+                return problem.describe(pod.name)
+        return None
+
+    def _rolled_back(self, name: str, key: str) -> TargetStatus | None:
+        """The previous status of a target rolled back for this set, unless tried again since."""
+        previous = next((t for t in self.resource.status.targets if t.name == name), None)
+        if (
+            previous is None
+            or previous.state != "RolledBack"
+            or previous.failed_artifact_key != key
+            or previous.failed_generation is None
+            or self.resource.generation > previous.failed_generation
+            or self.resource.annotations.get(ANNOTATION_RETRY) != previous.retry_token
+        ):
+            return None
+        return previous
 
     def _note_in_use(self, deployment: Manifest) -> None:
         annotations = target.annotations_of(deployment)
@@ -652,7 +783,7 @@ class _Planner:
             _first_reason(not_verified, reasons.VERIFIED),
             _describe_sets(not_verified) or "every shard set verified complete",
         )
-        unpatched = [t for t in targets if t.state != "Patched"]
+        unpatched = [t for t in targets if t.state not in PATCHED_STATES]
         if not self.spec.targets:
             put(conditions.TARGETS_PATCHED, True, reasons.NO_TARGETS, "no targets to patch")
         else:
@@ -663,10 +794,14 @@ class _Planner:
                 "; ".join(f"{t.name}: {t.message}" for t in unpatched)
                 or f"{len(targets)} Deployment(s) load their shard sets",
             )
-        problems = [t for t in unpatched if t.state in ("Refused", "Conflict", "NotFound")]
-        ready = not not_verified and not unpatched
+        not_serving = [t for t in targets if t.state != "Patched"]
+        problems = [t for t in not_serving if t.state in TROUBLED_STATES]
+        ready = not not_verified and not not_serving
         if ready:
-            ready_reason, ready_message = reasons.READY, "shards verified and targets patched"
+            ready_reason, ready_message = (
+                reasons.READY,
+                "shards verified and every target's rollout complete",
+            )
         elif failed:
             ready_reason, ready_message = failed[0].reason, _describe_sets(failed)
         elif problems:
@@ -678,8 +813,8 @@ class _Planner:
                 _describe_sets(not_verified),
             )
         else:
-            ready_reason = unpatched[0].reason
-            ready_message = "; ".join(f"{t.name}: {t.message}" for t in unpatched)
+            ready_reason = not_serving[0].reason
+            ready_message = "; ".join(f"{t.name}: {t.message}" for t in not_serving)
         put(conditions.READY, ready, ready_reason, ready_message)
         troubled = [e for e in wanted if e.failures > 0 or (e.stage == "Failed" and e.verified_at)]
         put(
@@ -729,9 +864,15 @@ class _Planner:
             if old_target is None and state.state == "Waiting":
                 # Every new resource waits at first; that is no news.
                 continue
-            bad = state.state in ("Refused", "Conflict", "NotFound") or state.reason == (
-                reasons.TARGET_IMAGE_CHANGED
-            )
+            if (
+                old_target is not None
+                and (old_target.state, state.state) == ("RollingOut", "Patched")
+                and old_target.artifact_key == state.artifact_key
+                and state.reason == reasons.PATCHED
+            ):
+                # The rollout the patch event announced is done: Ready says so.
+                continue
+            bad = state.state in TROUBLED_STATES or state.reason == reasons.TARGET_IMAGE_CHANGED
             self.plan.events.append(
                 Event(
                     "Warning" if bad else "Normal",

@@ -20,7 +20,7 @@ from preshard.api.status import ShardedModelStatus
 from preshard.builders import jobs, target
 from preshard.builders.common import Manifest, Owner, ShardSet, child_name
 from preshard.controller import kube
-from preshard.controller.observe import JobView
+from preshard.controller.observe import JobView, TargetPodView
 from preshard.controller.plan import (
     DeploymentPatch,
     Event,
@@ -309,6 +309,8 @@ def observed_for(
     deployments: Mapping[str, Manifest],
     sets_used_elsewhere: frozenset[str],
     now: datetime,
+    *,
+    target_pods: Mapping[str, tuple[TargetPodView, ...]] | None = None,
 ) -> Observed:
     """Bundle what the indexes hold for one ShardedModel."""
     return Observed(
@@ -316,6 +318,7 @@ def observed_for(
         deployments=dict(deployments),
         now=now,
         sets_used_elsewhere=sets_used_elsewhere,
+        target_pods=dict(target_pods or {}),
     )
 
 
