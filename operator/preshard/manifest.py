@@ -2,7 +2,8 @@
 
 A shard set without a well-formed manifest is never complete. The manifest records what the
 set was made for (TP size, vLLM and tensorizer versions, dtype, encryption on/off, never the
-key) and each file's size and sha256, so `preshard verify` can check it without a GPU.
+key) and each file's size and sha256, so `preshard verify` can check it without a GPU. A set
+made by `preshard reshard` also records the set it was made from.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ class ManifestFile(BaseModel):
     kind: Literal["shard", "config"]
 
 
+class ReshardedFrom(BaseModel):
+    """Where a resharded set's tensors came from: the set `preshard reshard` read."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    uri: str = Field(min_length=1)
+    artifact_key: str = Field(alias="artifactKey", min_length=1)
+    tensor_parallel_size: int = Field(alias="tensorParallelSize", ge=1)
+
+
 class Manifest(BaseModel):
     """The `manifest.json` of a shard set."""
 
@@ -43,6 +54,9 @@ class Manifest(BaseModel):
     encrypted: bool
     created: str
     files: tuple[ManifestFile, ...]
+    resharded_from: ReshardedFrom | None = Field(default=None, alias="reshardedFrom")
+    """Set only on a set `preshard reshard` made; absent from the JSON otherwise, so a set
+    serialized by vLLM has the manifest it always had."""
 
     @property
     def shards(self) -> list[ManifestFile]:
@@ -65,4 +79,5 @@ class Manifest(BaseModel):
 
     def to_json(self) -> str:
         """The manifest as stored: camelCase keys, stable order."""
-        return self.model_dump_json(by_alias=True, indent=2) + "\n"
+        exclude = {"resharded_from"} if self.resharded_from is None else None
+        return self.model_dump_json(by_alias=True, indent=2, exclude=exclude) + "\n"

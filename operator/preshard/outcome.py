@@ -19,7 +19,7 @@ from preshard import reasons
 TERMINATION_MESSAGE_LIMIT: Final = 4096
 DEFAULT_TERMINATION_LOG: Final = "/dev/termination-log"
 
-Command = Literal["serialize", "verify", "fetch-config", "delete"]
+Command = Literal["serialize", "verify", "fetch-config", "delete", "reshard"]
 
 # One exit code per reason, so a pod failure policy can tell bad input (never retried) from a
 # transient fault (retried within the Job's backoff limit).
@@ -28,6 +28,7 @@ EXIT_CODES: Final[dict[str, int]] = {
     reasons.VERIFIED: 0,
     reasons.CONFIG_FETCHED: 0,
     reasons.DELETED: 0,
+    reasons.RESHARDED: 0,
     reasons.READY: 0,
     reasons.INTERNAL_ERROR: 1,
     reasons.MANIFEST_MISSING: 10,
@@ -43,6 +44,7 @@ EXIT_CODES: Final[dict[str, int]] = {
     reasons.INVALID_ARGUMENTS: 31,
     reasons.MODEL_NOT_FOUND: 32,
     reasons.ENCRYPTION_KEY_INVALID: 33,
+    reasons.RESHARD_UNSUPPORTED: 34,
     reasons.SERIALIZATION_FAILED: 40,
 }
 

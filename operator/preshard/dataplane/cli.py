@@ -1,4 +1,4 @@
-"""The data-plane subcommands of `preshard`: serialize, verify, fetch-config, delete.
+"""The data-plane subcommands of `preshard`: serialize, reshard, verify, fetch-config, delete.
 
 Every run ends the same way, whatever happens: one `Outcome` (compact JSON) written to the
 termination log and printed on stdout, and the exit code of its reason. Flags are parsed as
@@ -77,7 +77,7 @@ class _Terminated(BaseException):
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add serialize, verify, fetch-config and delete to the `preshard` parser."""
+    """Add serialize, reshard, verify, fetch-config and delete to the `preshard` parser."""
     common = argparse.ArgumentParser(add_help=False)
     group = common.add_argument_group("common options")
     group.add_argument("--endpoint", metavar="URL", help="S3 endpoint URL (http:// or https://)")
@@ -159,6 +159,64 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="the scratch volume's size limit (an emptyDir sizeLimit), when free space says less",
     )
     serialize.set_defaults(run=_run_serialize)
+
+    reshard = subparsers.add_parser(
+        "reshard",
+        parents=[common],
+        formatter_class=formatter,
+        help="make a shard set for another tensor-parallel size from a verified set, no GPU",
+        usage="preshard reshard SRC_URI --to-tensor-parallel-size M "
+        "--dest s3://bucket/prefix/KEY/ [--artifact-key KEY] --scratch-dir DIR "
+        "[--encryption-keyfile PATH] [--upload-concurrency N] [--part-size BYTES] "
+        "[--scratch-size-limit BYTES] [common options]",
+        description=(
+            "Read the rank files of the verified shard set at SRC_URI (made for TP N) and\n"
+            "write the set vLLM itself would write for TP M: the same tensor names, shapes,\n"
+            "dtypes and bytes in every rank file, without a GPU or vLLM. The rank files and\n"
+            "config files are downloaded to DIR/source (each checked against its sha256), the\n"
+            "new rank files written to DIR/shards one tensor at a time, then stored at --dest\n"
+            "with the config files and a manifest.json, written last, that names the source.\n"
+            "Llama-family models (LlamaForCausalLM, MistralForCausalLM) in float32, float16 or\n"
+            "bfloat16; quantized, MoE and other models are refused (ReshardUnsupported). An\n"
+            "encrypted set needs its key and is written encrypted with the same key. --dest\n"
+            "ends with the artifact key (--artifact-key, default: its last path segment)."
+        ),
+        epilog=_COMMON_ENV
+        + "\n"
+        + _exit_codes(
+            reasons.RESHARD_UNSUPPORTED,
+            *_CHECK_FAILURES,
+            reasons.HASH_MISMATCH,
+            reasons.INVALID_ARGUMENTS,
+            reasons.INSUFFICIENT_SCRATCH,
+            reasons.ENCRYPTION_KEY_INVALID,
+            *_S3_FAILURES,
+        ),
+    )
+    reshard.add_argument("uri", metavar="SRC_URI", nargs="?", help="s3://bucket/prefix/KEY/")
+    reshard.add_argument(
+        "--to-tensor-parallel-size", metavar="M", help="the new set's TP size (required)"
+    )
+    reshard.add_argument("--dest", metavar="S3_URI", help="s3://bucket/prefix/KEY/ (required)")
+    reshard.add_argument(
+        "--artifact-key", metavar="KEY", help="the new set's key (default: --dest's last segment)"
+    )
+    reshard.add_argument("--scratch-dir", metavar="DIR", help="local scratch directory (required)")
+    reshard.add_argument(
+        "--encryption-keyfile", metavar="PATH", help="the 32-byte key of an encrypted source"
+    )
+    reshard.add_argument(
+        "--upload-concurrency", metavar="N", default="16", help="parallel S3 requests (default 16)"
+    )
+    reshard.add_argument(
+        "--part-size", metavar="BYTES", default="32Mi", help="multipart part size (default 32Mi)"
+    )
+    reshard.add_argument(
+        "--scratch-size-limit",
+        metavar="BYTES",
+        help="the scratch volume's size limit (an emptyDir sizeLimit), when free space says less",
+    )
+    reshard.set_defaults(run=_run_reshard)
 
     verify = subparsers.add_parser(
         "verify",
@@ -288,6 +346,54 @@ def _run_serialize(args: argparse.Namespace) -> int:
     return _run("serialize", args, body, uri=args.dest)
 
 
+def _run_reshard(args: argparse.Namespace) -> int:
+    def body() -> Outcome:
+        from preshard.dataplane.reshard import ReshardOptions, reshard  # noqa: PLC0415
+        from preshard.dataplane.serialize import S3Clients  # noqa: PLC0415
+
+        source = _location(_required(args.uri, "SRC_URI"), "SRC_URI")
+        tp = _positive_int(
+            _required(args.to_tensor_parallel_size, "--to-tensor-parallel-size"),
+            "--to-tensor-parallel-size",
+        )
+        destination = _location(_required(args.dest, "--dest"), "--dest")
+        last = destination.prefix.rsplit("/", 1)[-1]
+        key = args.artifact_key or last
+        if not ARTIFACT_KEY_PATTERN.match(key):
+            raise _invalid(
+                f"the artifact key {key!r} must be one path segment of letters, digits, . _ -"
+            )
+        if last != key:
+            raise _invalid(f"--dest {destination.uri} must end with the artifact key {key}")
+        transfer = _transfer_settings(args)
+        options = ReshardOptions(
+            source=source,
+            tensor_parallel_size=tp,
+            destination=destination,
+            artifact_key=key,
+            scratch_dir=Path(_required(args.scratch_dir, "--scratch-dir")),
+            encryption_keyfile=Path(args.encryption_keyfile) if args.encryption_keyfile else None,
+            transfer=transfer,
+            scratch_size_limit=(
+                parse_size(args.scratch_size_limit, "--scratch-size-limit")
+                if args.scratch_size_limit
+                else None
+            ),
+        )
+        clients = S3Clients(
+            control=_client(args),
+            transfer=_client(
+                args,
+                max_connections=transfer.concurrency + 8,
+                botocore_attempts=1,
+                sign_payloads=False,
+            ),
+        )
+        return reshard(options, clients)
+
+    return _run("reshard", args, body, uri=args.dest)
+
+
 def _run_verify(args: argparse.Namespace) -> int:
     def body() -> Outcome:
         from preshard.dataplane.commands import verify  # noqa: PLC0415 - data-plane deps
@@ -373,7 +479,7 @@ def _run(
         return exit_code(outcome.reason)
 
 
-DATAPLANE_COMMANDS: Final = ("serialize", "verify", "fetch-config", "delete")
+DATAPLANE_COMMANDS: Final = ("serialize", "reshard", "verify", "fetch-config", "delete")
 
 
 def report_usage_error(command: Command, problem: str) -> int:
