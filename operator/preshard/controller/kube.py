@@ -1,7 +1,8 @@
 """Every Kubernetes API call the controller makes, in one small module.
 
-Writes are idempotent: creating what exists and deleting what is gone count as done. The
-controller never reads Secrets and has no API for it here.
+Writes are idempotent: creating what exists and deleting what is gone count as done, and each
+carries the field manager `preshard`. The controller never reads Secrets and has no API for it
+here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from preshard.api import models
 
 Manifest = dict[str, Any]
 
+# The field manager of every write, as `metadata.managedFields` shows it: GitOps tools (Argo CD,
+# Flux) tell preshard's fields from their own by it. Without it the client's User-Agent,
+# `OpenAPI-Generator`, would be recorded.
+FIELD_MANAGER: Final = "preshard"
 MERGE_PATCH: Final = "application/merge-patch+json"
 JSON_PATCH: Final = "application/json-patch+json"
 log = logging.getLogger(__name__)
@@ -54,7 +59,9 @@ class Kube:
         """Create a Job; False when one of that name exists already."""
         try:
             self._batch.create_namespaced_job(
-                manifest["metadata"]["namespace"], client.V1Job.model_validate(manifest)
+                manifest["metadata"]["namespace"],
+                client.V1Job.model_validate(manifest),
+                field_manager=FIELD_MANAGER,
             )
         except ApiException as error:
             if error.status == 409:
@@ -90,7 +97,9 @@ class Kube:
     def patch_deployment(self, namespace: str, name: str, patch: list[Manifest]) -> None:
         """Apply a JSON patch; `ConflictError` when its `test` of the generation fails."""
         try:
-            self._apps.patch_namespaced_deployment(name, namespace, patch, _content_type=JSON_PATCH)
+            self._apps.patch_namespaced_deployment(
+                name, namespace, patch, field_manager=FIELD_MANAGER, _content_type=JSON_PATCH
+            )
         except ApiException as error:
             if error.status == 409 or (
                 error.status == 422 and self._test_failed(namespace, name, patch)
@@ -122,6 +131,7 @@ class Kube:
                 models.PLURAL,
                 name,
                 {"status": status},
+                field_manager=FIELD_MANAGER,
                 _content_type=MERGE_PATCH,
             )
         except ApiException as error:

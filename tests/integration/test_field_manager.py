@@ -1,0 +1,103 @@
+"""Every write of the operator carries the field manager `preshard`, as the API server records it.
+
+A GitOps tool tells the fields it owns from the operator's by `metadata.managedFields`. The
+Deployment here is created as `gitops` would create it; the operator's patch, its Jobs and the
+ShardedModel's status must be recorded under `preshard`, never under the Python client's
+User-Agent (`OpenAPI-Generator`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+
+from preshard import reasons
+from tests.support import shardedmodels as shm
+from tests.support.cluster import plain
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
+
+GITOPS = "gitops"
+CLIENT_DEFAULT = "OpenAPI-Generator"
+
+
+def spec() -> dict[str, Any]:
+    return {
+        "model": {"id": "org/model", "revision": "abc123"},
+        "storage": {
+            "uri": "s3://models/shards",
+            "endpoint": "http://s3.storage:8333",
+            "credentialsSecretRef": {"name": "s3"},
+        },
+        "tensorParallelSizes": [2],
+        "targets": [{"name": "vllm"}],
+    }
+
+
+def create_deployment_as_gitops(api: k8s.ApiClient, namespace: str) -> None:
+    body = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "vllm", "namespace": namespace, "labels": {"app": "vllm"}},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "template": {
+                "metadata": {"labels": {"app": "vllm"}},
+                "spec": {"containers": [dict(shm.VLLM_CONTAINER)]},
+            },
+        },
+    }
+    k8s.AppsV1Api(api).create_namespaced_deployment(
+        namespace, k8s.V1Deployment.model_validate(body), field_manager=GITOPS
+    )
+
+
+def entries(obj: dict[str, Any], manager: str) -> list[dict[str, Any]]:
+    return [e for e in obj["metadata"].get("managedFields") or [] if e["manager"] == manager]
+
+
+def test_writes_are_recorded_under_the_field_manager_preshard(
+    kube_api: k8s.ApiClient, namespace: str
+) -> None:
+    create_deployment_as_gitops(kube_api, namespace)
+    shm.create(kube_api, namespace, "llama", spec())
+    resource = shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
+
+    deployment = shm.read_deployment(kube_api, namespace, "vllm")
+    assert shm.flag(shm.vllm_args(deployment), "--load-format") == "tensorizer"
+    (patched,) = entries(deployment, "preshard")
+    assert patched["operation"] == "Update"
+    assert "subresource" not in patched
+    fields = patched["fieldsV1"]
+    assert "f:preshard.dev/owner" in fields["f:metadata"]["f:annotations"]
+    assert "f:initContainers" in fields["f:spec"]["f:template"]["f:spec"]
+    assert entries(deployment, GITOPS)
+    assert not entries(deployment, CLIENT_DEFAULT)
+
+    jobs = shm.jobs(kube_api, namespace)
+    assert jobs
+    for job in jobs:
+        (created,) = entries(job, "preshard")
+        assert (created["operation"], created.get("subresource")) == ("Update", None)
+        assert "f:template" in created["fieldsV1"]["f:spec"]
+        assert not entries(job, CLIENT_DEFAULT), job["metadata"]["name"]
+
+    (status,) = entries(resource, "preshard")
+    assert (status["operation"], status["subresource"]) == ("Update", "status")
+    assert "f:conditions" in status["fieldsV1"]["f:status"]
+    # The test itself created the ShardedModel with the client's default manager.
+    assert [e.get("subresource") for e in entries(resource, CLIENT_DEFAULT)] == [None]
+
+
+def test_the_client_default_would_be_recorded_otherwise(
+    kube_api: k8s.ApiClient, namespace: str
+) -> None:
+    """What the API server records for a write without a field manager, this client's."""
+    created = k8s.CoreV1Api(kube_api).create_namespaced_config_map(
+        namespace, k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="plain"), data={"k": "v"})
+    )
+    (entry,) = plain(kube_api, created)["metadata"]["managedFields"]
+    assert entry["manager"] == CLIENT_DEFAULT
