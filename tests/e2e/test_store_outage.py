@@ -180,7 +180,7 @@ def test_the_store_down_while_a_set_is_verified_and_loaded(
     support.record(
         "S3 server stopping -> periodic verify reports Unreachable", time.monotonic() - started
     )
-    assert (shm.condition(resource, "Ready") or {})["status"] == "True", "the set is still whole"
+    assert (shm.condition(resource, "Verified") or {})["status"] == "True", "the set is whole"
 
     def failing_init() -> Any | None:
         for pod in support.pods(kube_api, namespace, "app=vllm"):
@@ -193,6 +193,13 @@ def test_the_store_down_while_a_set_is_verified_and_loaded(
     still_serving = support.serving_pod(kube_api, namespace, "vllm")
     assert still_serving is not None
     assert still_serving.metadata.name == serving.metadata.name, "the old pod keeps serving"
+    # The restarted template is not rolled out, and its pod's fetch-config fails: the target
+    # is unavailable (`Ready` False), in the init container's words.
+    unavailable = shm.wait_condition(
+        kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_UNAVAILABLE
+    )
+    (target,) = unavailable["status"]["targets"]
+    assert f"container {support.INIT_CONTAINER}" in target["message"], target["message"]
 
     started = time.monotonic()
     private_store.server.restart()
@@ -206,6 +213,7 @@ def test_the_store_down_while_a_set_is_verified_and_loaded(
     support.record(
         "S3 server restarting -> verified again and the new pod serving", time.monotonic() - started
     )
+    shm.wait_ready(kube_api, namespace, "llama", operator=operator)
     current = shm.read_deployment(kube_api, namespace, "vllm")
     assert support.container_flags(current) == support.container_flags(patched)
     support.forbid_tracebacks(operator)
