@@ -868,7 +868,7 @@ class _Planner:
                 old_target is not None
                 and (old_target.state, state.state) == ("RollingOut", "Patched")
                 and old_target.artifact_key == state.artifact_key
-                and state.reason == reasons.PATCHED
+                and state.reason in (reasons.PATCHED, reasons.SCALED_TO_ZERO)
             ):
                 # The rollout the patch event announced is done: Ready says so.
                 continue
