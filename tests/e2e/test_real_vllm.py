@@ -15,7 +15,10 @@ flow from it (`preshard.devenv.engine`):
    container's command line exactly as patched, as a real `vllm serve` that streams the rank
    files from S3 with tensorizer;
 4. each patched server answers a temperature-0 completion with the same tokens as vLLM serving
-   the original safetensors, and the ShardedModel is Ready.
+   the original safetensors, and the ShardedModel is Ready;
+5. the TP 1 set is broken under its Deployment (rank file zeroed, same size) and the pod
+   replaced: vLLM refuses the file and crash-loops, and the ShardedModel turns not-Ready with
+   `TargetUnavailable` and an event quoting the pod's last output.
 
 So a wrong tensorizer URI, TP size, endpoint, a lost rank or an image that cannot import
 tensorizer fails here because vLLM itself refuses or answers differently. What is not real: the
@@ -33,9 +36,11 @@ from typing import Any, Final
 import pytest
 from kubernetes import client as k8s
 
+from preshard import reasons
 from preshard.devenv import engine, procs
 from preshard.devenv.nodes import on_node
 from preshard.devenv.podrunner import PodRunner, image_repository
+from preshard.layout import S3Location
 from tests.e2e import support
 from tests.e2e.engine import EngineControl
 from tests.helm.support import Tool
@@ -215,4 +220,39 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
         for prompt, expected in baseline.items():
             answer = engine.complete(f"http://127.0.0.1:{port}", support.SERVED_MODEL, prompt)
             assert answer == expected, (tp, prompt)
+
+    # The set under a serving Deployment breaks, so that vLLM itself refuses it: the TP 1 rank
+    # file is overwritten with as many zero bytes (a sizes check still passes), and the pod is
+    # replaced. Its vLLM fails to load and crash-loops; Ready follows the pods, not the patch.
+    (tp1,) = [o for o in outcomes.values() if o.tensor_parallel_size == 1]
+    rank_file = S3Location.parse(tp1.uri or "").key("model-rank-000.tensors")
+    size = s3_bucket.client.head_object(Bucket=s3_bucket.name, Key=rank_file)["ContentLength"]
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=rank_file, Body=bytes(size))
+    core = k8s.CoreV1Api(kube_api)
+    for pod in support.pods(kube_api, namespace, "app=vllm-tp1"):
+        core.delete_namespaced_pod(pod.metadata.name, namespace)
+    with support.stopwatch("real vLLM: broken rank file -> TargetUnavailable"):
+        failing = shm.wait_condition(
+            kube_api,
+            namespace,
+            "tiny",
+            "Ready",
+            "False",
+            reasons.TARGET_UNAVAILABLE,
+            operator=operator,
+            timeout=SERVE_TIMEOUT,
+        )
+    states = {t["name"]: (t["state"], t["reason"]) for t in failing["status"]["targets"]}
+    assert states["vllm-tp1"] == ("Unavailable", reasons.TARGET_UNAVAILABLE), states
+    assert states["vllm-tp2"][1] == reasons.PATCHED, states
+
+    def unavailable_event() -> str | None:
+        found = core.list_namespaced_event(
+            namespace, field_selector=f"reason={reasons.TARGET_UNAVAILABLE}"
+        ).items
+        return next((e.message for e in found if "vllm-tp1" in (e.message or "")), None)
+
+    message = support.until(unavailable_event, "a TargetUnavailable event naming vllm-tp1")
+    # The event quotes vLLM's own last words (the pod's termination message from its log).
+    assert "Not a tensorizer file" in message or "Engine core" in message, message
     support.forbid_tracebacks(operator)
