@@ -161,6 +161,7 @@ def vllm_container(model: str = SERVED_MODEL, **changes: Any) -> Manifest:
         "image": VLLM_IMAGE,
         "command": ["vllm", "serve"],
         "args": [model, "--port", "8000"],
+        "resources": {"limits": {"nvidia.com/gpu": "1"}},
         **changes,
     }
 

@@ -189,6 +189,7 @@ def test_every_setting_is_configurable(custom: list[Manifest]) -> None:
         scratch_size="500Gi",
         num_readers=16,
         model_dir="/models/config",
+        tensorizer_dir="/models/tensorizer",
         namespaces=("team-a", "team-b"),
         cleanup_timeout_seconds=0,
         retry_backoff_seconds=5,
