@@ -322,5 +322,15 @@ def _reshard_files(
 
 
 def _peak_rss() -> int:
-    """This process's peak resident set size so far, in bytes (Linux reports KiB)."""
+    """This process's peak resident set size so far, in bytes.
+
+    `VmHWM` (Linux), the high-water mark of this program's own memory: `getrusage`'s maxrss
+    would also count what the parent held when it forked this process.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
