@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -98,6 +99,59 @@ def test_serialize(serialized: Finished, s3_server: S3Server) -> None:
     assert serialized.stdout.strip() == serialized.outcome.to_message()
     assert '"level": "info"' in serialized.stderr
     assert s3_server.credentials.secret_access_key not in serialized.stdout + serialized.stderr
+
+
+def json_lines(text: str) -> list[dict[str, object]]:
+    """Each line of a log that must be JSON lines, parsed; a line that is not fails."""
+    parsed = []
+    for line in text.splitlines():
+        value = json.loads(line)
+        assert isinstance(value, dict), line
+        parsed.append(value)
+    return parsed
+
+
+def test_a_json_run_writes_only_json_lines(
+    serialized: Finished,
+    script_env: dict[str, str],
+    s3_bucket: S3Bucket,
+    s3_server: S3Server,
+    tmp_path: Path,
+) -> None:
+    missing = preshard(
+        [
+            "verify",
+            f"s3://{s3_bucket.name}/script/nothing-here/",
+            "--tensor-parallel-size",
+            "2",
+            "--log-format",
+            "json",
+        ],
+        script_env,
+        tmp_path,
+        "missing",
+    )
+    broken = preshard(
+        ["fetch-config", "--log-format", "json", "--no-such-flag"], script_env, tmp_path, "bad"
+    )
+
+    assert missing.outcome.reason == reasons.MANIFEST_MISSING
+    assert broken.outcome.reason == reasons.INVALID_ARGUMENTS
+    for run, command in ((serialized, "serialize"), (missing, "verify")):
+        lines = json_lines(run.stderr)
+        assert lines, f"{command} logged nothing"
+        assert {tuple(sorted(line)) for line in lines} == {
+            ("command", "level", "logger", "message", "time")
+        }
+        assert {line["command"] for line in lines} == {command}
+    assert {line["level"] for line in json_lines(serialized.stderr)} >= {"info"}
+    assert [line["level"] for line in json_lines(missing.stderr)] == ["error"]
+    assert json_lines(broken.stderr) == []
+    for run in (serialized, missing, broken):
+        # stdout holds the outcome alone, itself one JSON line.
+        assert json_lines(run.stdout) == [json.loads(run.outcome.to_message())]
+        secret = s3_server.credentials.secret_access_key
+        assert secret not in run.stdout + run.stderr
 
 
 def test_verify(

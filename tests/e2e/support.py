@@ -320,7 +320,8 @@ def load_like_vllm(
 
 
 def encodings(secret: bytes | str) -> list[str]:
-    """The ways a secret could be spelled in text: as is, base64, urlsafe base64, hex."""
+    """The ways a secret could be spelled in text: as is, inside a JSON string, base64, urlsafe
+    base64, hex."""
     raw = secret.encode() if isinstance(secret, str) else secret
     spelled = {
         base64.b64encode(raw).decode(),
@@ -329,6 +330,7 @@ def encodings(secret: bytes | str) -> list[str]:
     }
     if isinstance(secret, str):
         spelled.add(secret)
+        spelled.add(json.dumps(secret)[1:-1])
     return sorted(s for s in spelled if len(s) >= 8)
 
 

@@ -2,13 +2,16 @@
 
 The operator runs as the chart's ServiceAccount, whose RBAC has no access to Secrets at all
 (`tests/helm/test_install.py::test_service_account_cannot` proves the API server refuses it
-every Secret verb); here its log shows that it never even asked.
+every Secret verb); here its log shows that it never even asked. It logs JSON here
+(`config.logFormat: json`), so its Jobs and init containers do too, and the scan reads JSON
+lines.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -16,10 +19,13 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard import reasons
+from preshard.builders.jobs import CONTAINER
+from preshard.builders.target import INIT_CONTAINER
+from preshard.devenv.controlplane import LocalCluster
 from preshard.devenv.podrunner import PodRunner
-from tests.e2e import support
+from tests.e2e import engine, support
 from tests.helm.conftest import Namespaces
-from tests.helm.support import Tool, ToolError, forbidden_requests
+from tests.helm.support import Release, Tool, ToolError, chart_operator, forbidden_requests
 from tests.support import shardedmodels as shm
 from tests.support.cluster import plain
 from tests.support.operator import OperatorProcess
@@ -30,6 +36,45 @@ HF_SECRET: Final = "hf-token"
 KEY_SECRET: Final = "shard-key"
 # The operator has no permission to watch CRDs; the framework logs that and carries on.
 EXPECTED_FORBIDDEN: Final = ("customresourcedefinitions",)
+
+
+@pytest.fixture(scope="module")
+def operator(
+    release: Release,
+    cluster: LocalCluster,
+    kube_api: k8s.ApiClient,
+    runner_engine: engine.EngineControl,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[OperatorProcess]:
+    """The installed operator, as the conftest's runs it, but logging JSON: the chart's
+    `config.logFormat: json`, which the operator passes on to its Jobs and init containers."""
+    work_dir = tmp_path_factory.mktemp("operator")
+    kubeconfig = cluster.service_account_kubeconfig(
+        release.namespace, release.service_account, path=work_dir / "operator.kubeconfig"
+    )
+    process = chart_operator(release.deployment(kube_api), kubeconfig, work_dir)
+    process.extra_env["PRESHARD_LOG_FORMAT"] = "json"
+    process.start(timeout=60)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def preshard_logs(texts: dict[str, str]) -> dict[str, str]:
+    """The logs of preshard's own containers: the Jobs' and the init containers'."""
+    return {
+        where: text
+        for where, text in texts.items()
+        if where.startswith("log ") and where.rsplit("/", 1)[-1] in (CONTAINER, INIT_CONTAINER)
+    }
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """The complete lines of a log, each parsed as a JSON object (a line that is not fails)."""
+    parsed = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+    assert all(isinstance(line, dict) for line in parsed), text
+    return parsed
 
 
 def secret_texts(api: k8s.ApiClient, namespace: str) -> dict[str, str]:
@@ -100,6 +145,13 @@ def test_no_secret_value_appears_in_logs_args_status_events_or_annotations(
         "operator log": operator.log(),
     }
     assert any("serialize" in where and where.startswith("log ") for where in texts)
+    # Every line preshard's containers wrote is JSON: the log lines (stderr) and the outcome
+    # (stdout), nothing else; the serialize Jobs and the init container did log.
+    logs = {where: json_lines(text) for where, text in preshard_logs(texts).items()}
+    logged = [where for where, lines in logs.items() if any("level" in line for line in lines)]
+    assert any("-serialize-" in where for where in logged), sorted(logs)
+    assert any(where.endswith(f"/{INIT_CONTAINER}") for where in logged), sorted(logs)
+    assert any(line.startswith("{") for line in operator.log().splitlines()), "no JSON log"
     assert support.leaks(texts, watched) == []
     # The scan finds each secret where it does belong: the test's own Secrets.
     found = support.leaks(secret_texts(kube_api, namespace), watched)

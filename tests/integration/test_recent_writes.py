@@ -21,7 +21,7 @@ from preshard.builders import target
 from preshard.builders.common import Manifest
 from preshard.controller import kube
 from preshard.controller.plan import DeploymentPatch, Event, Plan
-from preshard.controller.reconciler import RECENT_WRITE_SECONDS, Reconciler
+from preshard.controller.reconciler import RECENT_WRITE_SECONDS, Reconciler, object_log
 from preshard.settings import Settings
 
 pytestmark = pytest.mark.cluster
@@ -82,24 +82,25 @@ def test_a_deployment_is_not_patched_twice_from_the_same_version(
     kube_api: k8s.ApiClient, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reconciler = Reconciler(kube.Kube(kube_api), Settings())
+    log = object_log(namespace, "llama")
     stale = _deployment(reconciler, kube_api, namespace)
     patches = _counted(reconciler, "patch_deployment", monkeypatch)
     reads = _counted(reconciler, "get_deployment", monkeypatch)
 
     first = _patch_plan(stale, "one")
-    assert reconciler.execute(first, namespace) is None
+    assert reconciler.execute(first, namespace, log) is None
     assert len(patches) == 1
     assert [e.reason for e in first.events] == ["Patched"]
 
     again = _patch_plan(stale, "one")
-    assert reconciler.execute(again, namespace) == RECENT_WRITE_SECONDS
+    assert reconciler.execute(again, namespace, log) == RECENT_WRITE_SECONDS
     assert (len(patches), len(reads)) == (1, 0), "the stale plan sent a request"
     assert again.events == [], "an event for a patch that was not sent"
 
     current = reconciler.kube.get_deployment(namespace, "vllm")
     assert current["metadata"]["generation"] == stale["metadata"]["generation"] + 1
     newer = _patch_plan(current, "two")
-    assert reconciler.execute(newer, namespace) is None
+    assert reconciler.execute(newer, namespace, log) is None
     assert len(patches) == 2
     env = reconciler.kube.get_deployment(namespace, "vllm")["spec"]["template"]["spec"]
     assert env["containers"][0]["env"] == [{"name": "MARK", "value": "two"}]
@@ -109,6 +110,7 @@ def test_a_patch_refused_as_stale_is_not_retried_from_the_same_version(
     kube_api: k8s.ApiClient, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reconciler = Reconciler(kube.Kube(kube_api), Settings())
+    log = object_log(namespace, "llama")
     stale = _deployment(reconciler, kube_api, namespace)
     k8s.AppsV1Api(kube_api).patch_namespaced_deployment(
         "vllm", namespace, {"spec": {"template": {"metadata": {"labels": {"edited": "yes"}}}}}
@@ -118,12 +120,12 @@ def test_a_patch_refused_as_stale_is_not_retried_from_the_same_version(
 
     for _ in range(3):
         refused = _patch_plan(stale, "one")
-        assert reconciler.execute(refused, namespace) == RECENT_WRITE_SECONDS
+        assert reconciler.execute(refused, namespace, log) == RECENT_WRITE_SECONDS
         assert refused.events == [], "an event for a refused patch"
     assert (len(patches), len(reads)) == (1, 1), "the refusal was retried from the same version"
 
     current = reconciler.kube.get_deployment(namespace, "vllm")
-    assert reconciler.execute(_patch_plan(current, "two"), namespace) is None
+    assert reconciler.execute(_patch_plan(current, "two"), namespace, log) is None
     assert len(patches) == 2
     labels = reconciler.kube.get_deployment(namespace, "vllm")["spec"]["template"]["metadata"]
     assert labels["labels"]["edited"] == "yes"
@@ -133,6 +135,7 @@ def test_a_job_is_not_created_twice_while_the_index_catches_up(
     kube_api: k8s.ApiClient, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reconciler = Reconciler(kube.Kube(kube_api), Settings())
+    log = object_log(namespace, "llama")
     creates = _counted(reconciler, "create_job", monkeypatch)
     job: Manifest = {
         "apiVersion": "batch/v1",
@@ -148,6 +151,6 @@ def test_a_job_is_not_created_twice_while_the_index_catches_up(
         },
     }
     for _ in range(3):
-        reconciler.execute(Plan(status=ShardedModelStatus(), create_jobs=[job]), namespace)
+        reconciler.execute(Plan(status=ShardedModelStatus(), create_jobs=[job]), namespace, log)
     assert len(creates) == 1
     assert k8s.BatchV1Api(kube_api).read_namespaced_job("verify", namespace).metadata is not None

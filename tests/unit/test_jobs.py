@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -46,13 +47,13 @@ SPEC: dict[str, Any] = {
 }
 
 
-def job_input(spec: dict[str, Any] = SPEC, run: int = 1) -> JobInput:
+def job_input(spec: dict[str, Any] = SPEC, run: int = 1, settings: Settings = SETTINGS) -> JobInput:
     parsed = parse_spec(spec)
     return JobInput(
         owner=OWNER,
         spec=parsed,
         shard_set=ShardSet.for_spec(parsed, 2, KEY),
-        settings=SETTINGS,
+        settings=settings,
         run=run,
     )
 
@@ -98,6 +99,11 @@ def metadata(name: str, command: str) -> dict[str, Any]:
             }
         ],
     }
+
+
+def container_of(job: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = job["spec"]["template"]["spec"]["containers"][0]
+    return container
 
 
 def test_serialize_job() -> None:
@@ -284,6 +290,86 @@ def test_delete_job_runs_delete_on_the_set_only() -> None:
         "eu-west-1",
     ]
     assert job["spec"]["backoffLimit"] == 3
+
+
+def test_an_operator_that_logs_json_has_its_jobs_log_json() -> None:
+    json_logging = replace(SETTINGS, log_format="json")
+    serialize = build_serialize_job(job_input(settings=json_logging))
+    verify = build_verify_job(job_input(settings=json_logging))
+    delete = build_delete_job(job_input(settings=json_logging))
+
+    assert container_of(serialize)["args"] == [
+        "serialize",
+        "--model",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "--revision",
+        "0e9e39f",
+        "--tensor-parallel-size",
+        "2",
+        "--dtype",
+        "auto",
+        "--max-model-len",
+        "4096",
+        "--engine-args-json",
+        '{"quantization":"fp8","trust_remote_code":true}',
+        "--dest",
+        f"s3://models/shards/{KEY}/",
+        "--artifact-key",
+        KEY,
+        "--scratch-dir",
+        "/var/run/preshard/scratch",
+        "--scratch-size-limit",
+        "500Gi",
+        "--encryption-keyfile",
+        "/var/run/preshard/encryption/key",
+        "--endpoint",
+        "https://s3.example.com",
+        "--region",
+        "eu-west-1",
+        "--log-format",
+        "json",
+    ]
+    assert container_of(verify)["args"] == [
+        "verify",
+        f"s3://models/shards/{KEY}/",
+        "--tensor-parallel-size",
+        "2",
+        "--artifact-key",
+        KEY,
+        "--endpoint",
+        "https://s3.example.com",
+        "--region",
+        "eu-west-1",
+        "--log-format",
+        "json",
+    ]
+    assert container_of(delete)["args"] == [
+        "delete",
+        f"s3://models/shards/{KEY}/",
+        "--endpoint",
+        "https://s3.example.com",
+        "--region",
+        "eu-west-1",
+        "--log-format",
+        "json",
+    ]
+    # Nothing else differs from the Jobs of an operator that logs text.
+    for build, job in (
+        (build_serialize_job, serialize),
+        (build_verify_job, verify),
+        (build_delete_job, delete),
+    ):
+        as_text = build(job_input())
+        container_of(as_text)["args"] += ["--log-format", "json"]
+        assert job == as_text
+
+
+def test_an_operator_that_logs_text_passes_no_log_format() -> None:
+    text_logging = replace(SETTINGS, log_format="text")
+    for build in (build_serialize_job, build_verify_job, build_delete_job):
+        job = build(job_input(settings=text_logging))
+        assert job == build(job_input())
+        assert "--log-format" not in container_of(job)["args"]
 
 
 def test_minimal_spec_uses_settings_defaults() -> None:

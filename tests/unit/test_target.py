@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,9 @@ def deployment() -> dict[str, Any]:
 
 
 def target_input(
-    extra: dict[str, Any] | None = None, container: str | None = "vllm"
+    extra: dict[str, Any] | None = None,
+    container: str | None = "vllm",
+    settings: Settings = SETTINGS,
 ) -> TargetInput:
     raw: dict[str, Any] = {
         "model": {"id": "meta-llama/Llama-3.1-8B-Instruct"},
@@ -85,7 +88,7 @@ def target_input(
         owner=Owner(name="llama", namespace="ns", uid="u"),
         spec=spec,
         shard_set=ShardSet.for_spec(spec, 4, KEY),
-        settings=SETTINGS,
+        settings=settings,
         container=container,
     )
 
@@ -211,6 +214,43 @@ def test_patch_points_the_container_at_the_shard_set() -> None:
         },
         "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
     }
+
+
+def test_an_operator_that_logs_json_has_fetch_config_log_json() -> None:
+    json_logging = replace(SETTINGS, log_format="json")
+    patched = build_patched_deployment(deployment(), target_input(settings=json_logging))
+    as_text = build_patched_deployment(deployment(), target_input())
+    assert isinstance(patched, dict)
+    assert isinstance(as_text, dict)
+    init = patched["spec"]["template"]["spec"]["initContainers"][1]
+
+    assert init["args"] == [
+        "fetch-config",
+        f"s3://models/shards/{KEY}/",
+        "/var/run/preshard/model",
+        "--tensorizer-dir",
+        "/var/run/preshard/tensorizer",
+        "--endpoint",
+        "http://minio.storage:9000",
+        "--region",
+        "us-east-1",
+        "--log-format",
+        "json",
+    ]
+    # Nothing else differs from the patch of an operator that logs text.
+    as_text["spec"]["template"]["spec"]["initContainers"][1]["args"] += ["--log-format", "json"]
+    assert patched == as_text
+    # The patch is stable: a second pass of the same operator writes nothing.
+    again = build_patched_deployment(patched, target_input(settings=json_logging))
+    assert again == patched
+
+
+def test_an_operator_that_logs_text_passes_no_log_format() -> None:
+    text_logging = replace(SETTINGS, log_format="text")
+    patched = build_patched_deployment(deployment(), target_input(settings=text_logging))
+    assert patched == build_patched_deployment(deployment(), target_input())
+    assert isinstance(patched, dict)
+    assert "--log-format" not in patched["spec"]["template"]["spec"]["initContainers"][1]["args"]
 
 
 def test_patching_is_idempotent() -> None:

@@ -10,6 +10,7 @@ from typing import Any, Final
 
 from preshard.api import models
 from preshard.layout import S3Location, shard_set_location
+from preshard.settings import Settings
 
 Manifest = dict[str, Any]
 
@@ -171,6 +172,15 @@ def s3_args(storage: models.Storage) -> list[str]:
     if storage.region:
         args += ["--region", storage.region]
     return args
+
+
+def log_args(settings: Settings) -> list[str]:
+    """Data-plane flags that make a command log in the operator's own format.
+
+    `--log-format json` when the operator logs JSON; nothing for text, the data plane's default,
+    so the manifests of a text-logging operator are what they were without the setting.
+    """
+    return ["--log-format", "json"] if settings.log_format == "json" else []
 
 
 def encryption_volume(encryption: models.Encryption) -> Manifest:

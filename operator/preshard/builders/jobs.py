@@ -24,6 +24,7 @@ from preshard.builders.common import (
     encryption_mount,
     encryption_volume,
     labels,
+    log_args,
     s3_args,
     s3_env,
 )
@@ -109,6 +110,7 @@ def build_serialize_job(job: JobInput) -> Manifest:
         scratch_size,
         *(["--encryption-keyfile", ENCRYPTION_KEYFILE] if spec.encryption else []),
         *s3_args(spec.storage),
+        *log_args(settings),
     ]
     env = s3_env(spec.storage)
     if spec.model.token_secret_ref is not None:
@@ -202,13 +204,14 @@ def build_verify_job(job: JobInput) -> Manifest:
         job.shard_set.artifact_key,
         *(["--deep"] if spec.verification.deep else []),
         *s3_args(spec.storage),
+        *log_args(job.settings),
     ]
     return _tools_job(job, VERIFY, args, backoff_limit=0, deadline=VERIFY_DEADLINE_SECONDS)
 
 
 def build_delete_job(job: JobInput) -> Manifest:
     """The CPU Job that removes one shard set (manifest first)."""
-    args = [DELETE, job.shard_set.uri, *s3_args(job.spec.storage)]
+    args = [DELETE, job.shard_set.uri, *s3_args(job.spec.storage), *log_args(job.settings)]
     return _tools_job(
         job, DELETE, args, backoff_limit=DELETE_BACKOFF_LIMIT, deadline=VERIFY_DEADLINE_SECONDS
     )

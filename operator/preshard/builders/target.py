@@ -30,6 +30,7 @@ from preshard.builders.common import (
     ShardSet,
     encryption_mount,
     encryption_volume,
+    log_args,
     s3_args,
     s3_endpoint_url,
     s3_env,
@@ -452,6 +453,7 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
             "--tensorizer-dir",
             settings.tensorizer_dir,
             *s3_args(spec.storage),
+            *log_args(settings),
         ],
         "resources": INIT_RESOURCES,
         "volumeMounts": [

@@ -81,13 +81,7 @@ def _run(args: argparse.Namespace) -> int:
     except SettingsError as error:
         sys.stderr.write(f"preshard run: {error}\n")
         return 2
-    kopf.configure(
-        verbose=args.verbose,
-        log_format=kopf.LogFormat.JSON if settings.log_format == "json" else kopf.LogFormat.PLAIN,
-    )
-    if not args.verbose:
-        # kopf logs every handled watch event at INFO; keep the operator's own log readable.
-        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    configure_logging(settings, verbose=args.verbose)
     namespaces = tuple(args.namespace) or settings.namespaces
     asyncio.run(
         kopf.operator(
@@ -99,6 +93,26 @@ def _run(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def configure_logging(settings: Settings, *, verbose: bool) -> None:
+    """The operator's log: one line per record, text or JSON, each naming its ShardedModel.
+
+    A record about one object (kopf's per-object logger, and the reconciler's `object_log`)
+    carries its reference: a JSON line has it as its `object` field, a text line starts with
+    `[namespace/name]`.
+    """
+    import kopf  # noqa: PLC0415 - kopf is only needed by the operator itself
+
+    json_lines = settings.log_format == "json"
+    kopf.configure(
+        verbose=verbose,
+        log_format=kopf.LogFormat.JSON if json_lines else kopf.LogFormat.PLAIN,
+        log_prefix=not json_lines,
+    )
+    if not verbose:
+        # kopf logs every handled watch event at INFO; keep the operator's own log readable.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
 
 def _render(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from preshard import reasons
+from preshard.api import models
 from preshard.api.models import InvalidSpecError, ShardedModelSpec, parse_spec
 from preshard.api.status import ShardedModelStatus
 from preshard.builders import jobs, target
@@ -39,6 +40,26 @@ NOT_FOUND_RETRY_SECONDS: Final = 1.0
 RECENT_WRITE_SECONDS: Final = 30.0
 
 log = logging.getLogger(__name__)
+
+ObjectLog = logging.LoggerAdapter[logging.Logger]
+
+
+def object_log(namespace: str, name: str, uid: str = "") -> ObjectLog:
+    """The log of one ShardedModel's reconcile: every line it writes names the resource.
+
+    Each record carries `k8s_ref`, the object reference kopf's log formatters read, as the
+    records of kopf's own per-object logger do: a JSON line gets it as its `object` field, a
+    text line the prefix `[namespace/name]`. The lines go to this module's logger, not to
+    `kopf.objects`, so they keep their level in a quiet operator and are never posted as events.
+    """
+    reference = {
+        "apiVersion": f"{models.GROUP}/{models.VERSION}",
+        "kind": models.KIND,
+        "name": name,
+        "uid": uid,
+        "namespace": namespace,
+    }
+    return logging.LoggerAdapter(log, {"k8s_ref": reference})
 
 
 class CleanupPendingError(Exception):
@@ -117,7 +138,7 @@ class Reconciler:
             status=status,
         )
         decided = plan(resource, observed, self.settings)
-        requeue = self.execute(decided, namespace)
+        requeue = self.execute(decided, namespace, object_log(namespace, name, resource.owner.uid))
         self._write_status(namespace, name, raw_status, decided.status)
         if requeue is not None:
             decided.requeue_after = min(requeue, decided.requeue_after or requeue)
@@ -224,9 +245,10 @@ class Reconciler:
             )
         return events
 
-    def execute(self, decided: Plan, namespace: str) -> float | None:
+    def execute(self, decided: Plan, namespace: str, logger: ObjectLog) -> float | None:
         """Create and delete the plan's Jobs and patch its Deployments, skipping writes made a
-        moment ago that the indexes do not show yet; the delay before the next pass, if any."""
+        moment ago that the indexes do not show yet; the delay before the next pass, if any.
+        `logger` is the ShardedModel's own (`object_log`)."""
         requeue: float | None = None
         for job_name in decided.delete_jobs:
             self.kube.delete_job(namespace, job_name)
@@ -240,20 +262,20 @@ class Reconciler:
             except kube.NamespaceTerminatingError:
                 # The namespace is being deleted with this ShardedModel in it (its Jobs may go
                 # first); nothing can start there, and the deletion handler takes over.
-                log.info("namespace %s is terminating; Job %s not created", namespace, job_name)
+                logger.info("namespace %s is terminating; Job %s not created", namespace, job_name)
                 break
             self._recent.remember(("job", namespace, job_name))
             if created:
-                log.info("created Job %s/%s", namespace, job_name)
+                logger.info("created Job %s/%s", namespace, job_name)
         for patch in decided.patches:
-            retry = self._patch(namespace, patch)
+            retry = self._patch(namespace, patch, logger)
             if retry is not None:
                 # Not sent or refused: no event for it, and a look again later.
                 requeue = retry if requeue is None else min(requeue, retry)
                 decided.events = [e for e in decided.events if patch.name not in e.message]
         return requeue
 
-    def _patch(self, namespace: str, patch: DeploymentPatch) -> float | None:
+    def _patch(self, namespace: str, patch: DeploymentPatch, logger: ObjectLog) -> float | None:
         """Patch a target unless that was done, or refused, from the same version a moment
         ago; None when the patch is applied, else the delay before the next look."""
         uid, generation = patch.planned_from
@@ -268,11 +290,11 @@ class Reconciler:
         except kube.ConflictError as error:
             # Someone else moved the Deployment on. Until the watch stream brings the new
             # version, a plan from this one would only be refused again.
-            log.info("%s", error)
+            logger.info("%s", error)
             self._recent.remember(written)
             return RECENT_WRITE_SECONDS
         except kube.NotFoundError as error:
-            log.info("%s", error)
+            logger.info("%s", error)
             return NOT_FOUND_RETRY_SECONDS
         self._recent.remember(written)
         return None
