@@ -284,7 +284,9 @@ class ModelShape:
 
 
 # The architectures whose vLLM model classes build exactly the modules above (llama.py, and
-# mistral.py, which subclasses it), and how each finds its head dimension.
+# mistral.py, which subclasses it); both take `head_dim` from the config when it is set, else
+# hidden_size / num_attention_heads. Qwen2 builds the same layers but always divides, and has
+# not been compared with vLLM's files.
 SUPPORTED_ARCHITECTURES: Final = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
