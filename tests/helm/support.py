@@ -242,7 +242,7 @@ def adopt_crd(api: k8s.ApiClient, release: Release) -> None:
 
 
 def vllm_deployment(name: str) -> Manifest:
-    """A vLLM Deployment as users write them: `vllm serve <model>`, one GPU-less replica."""
+    """A vLLM Deployment as users write them: `vllm serve <model>`, one replica on one GPU."""
     labels = {"app": name}
     return {
         "apiVersion": "apps/v1",
@@ -260,6 +260,7 @@ def vllm_deployment(name: str) -> Manifest:
                             "image": "vllm/vllm-openai:v0.34.0",
                             "command": ["vllm", "serve"],
                             "args": [MODEL_ID],
+                            "resources": {"limits": {"nvidia.com/gpu": "1"}},
                         }
                     ]
                 },
