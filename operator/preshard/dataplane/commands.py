@@ -14,11 +14,11 @@ from preshard.dataplane.download import PARTIAL_SUFFIX, local_path, stream_sha25
 from preshard.dataplane.errors import DataplaneError, classify_s3_error
 from preshard.dataplane.logs import human_bytes, logger
 from preshard.dataplane.s3 import list_sizes, require_prefix
-from preshard.dataplane.shardset import CheckedSet, check_shard_set, deep_check
+from preshard.dataplane.shardset import CheckedSet, check_shard_set, deep_check, set_outcome
 from preshard.dataplane.upload import abort_incomplete_uploads
 from preshard.layout import MANIFEST_NAME, S3Location
 from preshard.manifest import ManifestFile
-from preshard.outcome import Outcome
+from preshard.outcome import Command, Outcome
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -33,24 +33,8 @@ CHECK_CONCURRENCY: Final = 8
 TENSORIZER_BUNDLE_ENV: Final = "PRESHARD_TENSORIZER_BUNDLE"
 
 
-def _summary(command: str, reason: str, message: str, checked: CheckedSet) -> Outcome:
-    manifest = checked.manifest
-    return Outcome.model_validate(
-        {
-            "command": command,
-            "ok": True,
-            "reason": reason,
-            "message": message,
-            "uri": checked.location.uri,
-            "artifactKey": manifest.artifact_key,
-            "tensorParallelSize": manifest.tensor_parallel_size,
-            "totalBytes": manifest.total_bytes,
-            "files": len(manifest.files),
-            "vllmVersion": manifest.vllm_version,
-            "tensorizerVersion": manifest.tensorizer_version,
-            "encrypted": manifest.encrypted,
-        }
-    )
+def _summary(command: Command, reason: str, message: str, checked: CheckedSet) -> Outcome:
+    return set_outcome(command, reason, message, checked.location.uri, checked.manifest)
 
 
 def verify(

@@ -41,7 +41,7 @@ from preshard.dataplane.serialize import (
     store_files,
     write_manifest,
 )
-from preshard.dataplane.shardset import CheckedSet, check_shard_set
+from preshard.dataplane.shardset import CheckedSet, check_shard_set, set_outcome
 from preshard.dataplane.tp_layout import ModelShape, UnsupportedLayoutError, model_shape
 from preshard.dataplane.upload import LocalFile, TransferSettings, sha256_of_file
 from preshard.layout import S3Location, rank_file_names
@@ -166,22 +166,7 @@ def reshard(options: ReshardOptions, clients: S3Clients) -> Outcome:
 
 
 def _outcome(options: ReshardOptions, manifest: Manifest, message: str) -> Outcome:
-    return Outcome.model_validate(
-        {
-            "command": "reshard",
-            "ok": True,
-            "reason": reasons.RESHARDED,
-            "message": message,
-            "uri": options.destination.uri,
-            "artifactKey": manifest.artifact_key,
-            "tensorParallelSize": manifest.tensor_parallel_size,
-            "totalBytes": manifest.total_bytes,
-            "files": len(manifest.files),
-            "vllmVersion": manifest.vllm_version,
-            "tensorizerVersion": manifest.tensorizer_version,
-            "encrypted": manifest.encrypted,
-        }
-    )
+    return set_outcome("reshard", reasons.RESHARDED, message, options.destination.uri, manifest)
 
 
 def _nested(a: str, b: str) -> bool:

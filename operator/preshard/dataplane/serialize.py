@@ -36,7 +36,7 @@ from preshard.dataplane.errors import DataplaneError, classify_s3_error
 from preshard.dataplane.logs import heartbeat, human_bytes, logger
 from preshard.dataplane.s3 import list_sizes, require_prefix
 from preshard.dataplane.scratch import ScratchEstimate, check_room, directory_bytes
-from preshard.dataplane.shardset import CheckedSet, check_shard_set
+from preshard.dataplane.shardset import CheckedSet, check_shard_set, set_outcome
 from preshard.dataplane.source import SourcePlan, open_source
 from preshard.dataplane.upload import (
     LocalFile,
@@ -171,22 +171,7 @@ def serialize(
 
 
 def _outcome(options: SerializeOptions, manifest: Manifest, message: str) -> Outcome:
-    return Outcome.model_validate(
-        {
-            "command": "serialize",
-            "ok": True,
-            "reason": reasons.SERIALIZED,
-            "message": message,
-            "uri": options.destination.uri,
-            "artifactKey": manifest.artifact_key,
-            "tensorParallelSize": manifest.tensor_parallel_size,
-            "totalBytes": manifest.total_bytes,
-            "files": len(manifest.files),
-            "vllmVersion": manifest.vllm_version,
-            "tensorizerVersion": manifest.tensorizer_version,
-            "encrypted": manifest.encrypted,
-        }
-    )
+    return set_outcome("serialize", reasons.SERIALIZED, message, options.destination.uri, manifest)
 
 
 def read_encryption_key(path: Path | None) -> bytes | None:

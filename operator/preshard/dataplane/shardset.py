@@ -21,6 +21,7 @@ from preshard.dataplane.logs import human_bytes, logger
 from preshard.dataplane.s3 import get_small_object, list_sizes
 from preshard.layout import MANIFEST_NAME, S3Location
 from preshard.manifest import Manifest, ManifestFile
+from preshard.outcome import Command, Outcome
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -134,3 +135,25 @@ def _name_some(items: list[str]) -> str:
     named = ", ".join(items[:_NAMED_PROBLEMS])
     rest = len(items) - _NAMED_PROBLEMS
     return f"{named} and {rest} more" if rest > 0 else named
+
+
+def set_outcome(
+    command: Command, reason: str, message: str, uri: str, manifest: Manifest
+) -> Outcome:
+    """The successful outcome of a command about one shard set, from its manifest."""
+    return Outcome.model_validate(
+        {
+            "command": command,
+            "ok": True,
+            "reason": reason,
+            "message": message,
+            "uri": uri,
+            "artifactKey": manifest.artifact_key,
+            "tensorParallelSize": manifest.tensor_parallel_size,
+            "totalBytes": manifest.total_bytes,
+            "files": len(manifest.files),
+            "vllmVersion": manifest.vllm_version,
+            "tensorizerVersion": manifest.tensorizer_version,
+            "encrypted": manifest.encrypted,
+        }
+    )
