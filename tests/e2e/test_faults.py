@@ -597,14 +597,16 @@ def test_deleting_the_resource_while_its_job_runs(
 ) -> None:
     namespace = workspace
     original = support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    # The TP 4 set must come from a serialize Job, not a reshard of the TP 2 one.
+    gpu_only = {"reshard": False}
     if retention == "Delete":
         # A key no other ShardedModel lists (see the expected failure above).
-        unique = {"extraEngineArgs": {"seed": str(secrets.randbelow(10**9))}}
+        unique = {**gpu_only, "extraEngineArgs": {"seed": str(secrets.randbelow(10**9))}}
         body = support.spec(
             store, fresh_prefix(), storage={"retention": "Delete"}, serialization=unique
         )
     else:
-        body = support.spec(store, SHARED, storage={"retention": "Retain"})
+        body = support.spec(store, SHARED, storage={"retention": "Retain"}, serialization=gpu_only)
     shm.create(kube_api, namespace, "llama", body)
     served = support.only_set(shm.wait_ready(kube_api, namespace, "llama", operator=operator))
     stored = set_keys(s3_bucket, served)

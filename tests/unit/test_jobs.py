@@ -12,6 +12,7 @@ from preshard.builders.common import Owner, ShardSet, child_name
 from preshard.builders.jobs import (
     JobInput,
     build_delete_job,
+    build_reshard_job,
     build_serialize_job,
     build_verify_job,
     coerce_engine_arg,
@@ -270,6 +271,96 @@ def test_verify_job() -> None:
                             },
                             "terminationMessagePolicy": "FallbackToLogsOnError",
                         }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def test_reshard_job() -> None:
+    source = ShardSet.for_spec(parse_spec(SPEC), 1, "fedcba9876543210fedc")
+    job = build_reshard_job(job_input(run=1), source.location)
+    meta = metadata("llama-01234567-reshard-1", "reshard")
+    assert job == {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": 3600,
+            "ttlSecondsAfterFinished": 86400,
+            "template": {
+                "metadata": {"labels": meta["labels"], "annotations": meta["annotations"]},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "containers": [
+                        {
+                            "name": "preshard",
+                            "image": "serializer:1",
+                            "imagePullPolicy": "IfNotPresent",
+                            "command": ["preshard"],
+                            "args": [
+                                "reshard",
+                                "s3://models/shards/fedcba9876543210fedc/",
+                                "--to-tensor-parallel-size",
+                                "2",
+                                "--dest",
+                                f"s3://models/shards/{KEY}/",
+                                "--artifact-key",
+                                KEY,
+                                "--scratch-dir",
+                                "/var/run/preshard/scratch",
+                                "--scratch-size-limit",
+                                "500Gi",
+                                "--encryption-keyfile",
+                                "/var/run/preshard/encryption/key",
+                                "--endpoint",
+                                "https://s3.example.com",
+                                "--region",
+                                "eu-west-1",
+                            ],
+                            "env": [
+                                *S3_ENV,
+                                {"name": "HF_HOME", "value": "/var/run/preshard/scratch/hf"},
+                                {"name": "TMPDIR", "value": "/var/run/preshard/scratch/tmp"},
+                            ],
+                            "resources": {
+                                "requests": {
+                                    "cpu": "2",
+                                    "memory": "4Gi",
+                                    "ephemeral-storage": "500Gi",
+                                },
+                                "limits": {"memory": "16Gi"},
+                            },
+                            "securityContext": {
+                                "runAsNonRoot": True,
+                                "allowPrivilegeEscalation": False,
+                                "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"]},
+                            },
+                            "volumeMounts": [
+                                {"name": "scratch", "mountPath": "/var/run/preshard/scratch"},
+                                {
+                                    "name": "preshard-encryption-key",
+                                    "mountPath": "/var/run/preshard/encryption",
+                                    "readOnly": True,
+                                },
+                            ],
+                            "terminationMessagePolicy": "FallbackToLogsOnError",
+                        }
+                    ],
+                    "volumes": [
+                        {"name": "scratch", "emptyDir": {"sizeLimit": "500Gi"}},
+                        {
+                            "name": "preshard-encryption-key",
+                            "secret": {
+                                "secretName": "shard-key",
+                                "items": [{"key": "key", "path": "key"}],
+                                "defaultMode": 256,
+                            },
+                        },
                     ],
                 },
             },

@@ -901,3 +901,144 @@ def test_a_rollout_past_its_deadline_is_restored_once_with_policy_restore() -> N
     assert world.step().patches == []
     world.generation = 2
     assert [p.restore for p in world.step().patches] == [False]
+
+
+def set_at(world: World, tp: int) -> Any:
+    return next(e for e in world.status.shard_sets if e.tensor_parallel_size == tp)
+
+
+def resharded() -> Outcome:
+    return Outcome(command="reshard", ok=True, reason=reasons.RESHARDED, total_bytes=1000)
+
+
+def add_tp_4(world: World) -> tuple[str, Any, Plan]:
+    """Ready at TP 2, then the spec asks for TP 4 too: the TP 2 key, the TP 4 entry once its
+    probe found nothing, and the plan of that pass."""
+    drive_to_ready(world)
+    source = world.only_set().artifact_key
+    world.spec["tensorParallelSizes"] = [2, 4]
+    world.generation = 2
+    world.step()
+    new = set_at(world, 4)
+    world.finish(new.job, failed("verify", reasons.MANIFEST_MISSING))
+    result = world.step()
+    return source, set_at(world, 4), result
+
+
+def test_a_new_tp_size_is_resharded_on_cpu_from_a_verified_set() -> None:
+    world = World()
+    source, entry, result = add_tp_4(world)
+    (job,) = result.create_jobs
+    assert job["metadata"]["name"].endswith("-reshard-1")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:4] == [
+        "reshard",
+        f"s3://bucket/shards/{source}/",
+        "--to-tensor-parallel-size",
+        "4",
+    ]
+    assert not any("gpu" in name for name in container["resources"]["requests"])
+    assert (entry.stage, entry.reason, entry.resharded_from, entry.serialize_run) == (
+        "Resharding",
+        reasons.RESHARDING,
+        source,
+        0,
+    )
+    assert f"resharding on CPU from the TP 2 set {source}" in entry.message
+    assert world.condition(conditions.SERIALIZED) == ("False", reasons.RESHARDING)
+    assert [e.reason for e in result.events] == [reasons.RESHARDING]
+
+    world.finish(entry.job, resharded())
+    (verify,) = world.step().create_jobs
+    assert verify["metadata"]["labels"]["preshard.dev/command"] == "verify"
+    new = set_at(world, 4)
+    assert new.stage == "Verifying"
+    world.finish(new.job, verified(4))
+    world.step()
+    new = set_at(world, 4)
+    assert (new.stage, new.reason, new.reshard_run, new.serialize_run) == (
+        "Verified",
+        reasons.VERIFIED,
+        1,
+        0,
+    )
+    assert new.message.startswith(f"resharded on CPU from {source}; ")
+    assert not any(name.endswith("-serialize-2") for name in world.jobs)
+
+
+def test_a_refused_reshard_falls_back_to_the_gpu_job() -> None:
+    world = World()
+    _, entry, _ = add_tp_4(world)
+    world.finish(
+        entry.job, failed("reshard", reasons.RESHARD_UNSUPPORTED, "Qwen2ForCausalLM: not supported")
+    )
+    result = world.step()
+    (serialize,) = result.create_jobs
+    assert serialize["metadata"]["name"].endswith("-serialize-1")
+    entry = set_at(world, 4)
+    assert (entry.stage, entry.reason, entry.resharded_from) == (
+        "Serializing",
+        reasons.SERIALIZING,
+        None,
+    )
+    fallback = next(e for e in result.events if e.reason == reasons.RESHARD_UNSUPPORTED)
+    assert fallback.type == "Normal"
+    assert "serializing on GPUs instead: Qwen2ForCausalLM: not supported" in fallback.message
+
+
+def test_a_reshard_that_fails_otherwise_falls_back_with_a_warning() -> None:
+    world = World()
+    _, entry, _ = add_tp_4(world)
+    world.finish(entry.job, None, exit_code_=137)
+    result = world.step()
+    assert [j["metadata"]["name"].rsplit("-", 2)[-2] for j in result.create_jobs] == ["serialize"]
+    (warning,) = [e for e in result.events if e.type == "Warning"]
+    assert "reshard from" in warning.message
+
+
+def test_reshard_off_serializes_every_tp_size_on_gpus() -> None:
+    world = World({**BASE_SPEC, "serialization": {"reshard": False}})
+    _, entry, _ = add_tp_4(world)
+    assert entry.stage == "Serializing"
+    assert entry.job is not None
+    assert entry.job.endswith("-serialize-1")
+
+
+def test_a_set_of_another_revision_is_no_reshard_source() -> None:
+    world = World()
+    drive_to_ready(world)
+    world.spec["model"]["revision"] = "def456"
+    world.spec["tensorParallelSizes"] = [4]
+    world.spec["targets"] = [{"name": "vllm", "tensorParallelSize": 4}]
+    world.generation = 2
+    world.step()
+    new = set_at(world, 4)
+    world.finish(new.job, failed("verify", reasons.MANIFEST_MISSING))
+    (job,) = world.step().create_jobs
+    assert job["metadata"]["name"].endswith("-serialize-1")
+
+
+def test_a_superseded_set_still_loaded_is_a_reshard_source() -> None:
+    world = World()
+    drive_to_ready(world)
+    source = world.only_set().artifact_key
+    world.spec["tensorParallelSizes"] = [4]
+    world.spec["targets"] = [{"name": "vllm", "tensorParallelSize": 4}]
+    world.generation = 2
+    world.step()
+    assert {e.stage for e in world.status.shard_sets} == {"Probing", "Superseded"}
+    new = set_at(world, 4)
+    world.finish(new.job, failed("verify", reasons.MANIFEST_MISSING))
+    (job,) = world.step().create_jobs
+    assert job["metadata"]["name"].endswith("-reshard-1")
+    new = set_at(world, 4)
+    assert new.resharded_from == source
+
+
+def test_a_reshard_job_deleted_under_the_operator_is_created_again() -> None:
+    world = World()
+    _, entry, _ = add_tp_4(world)
+    del world.jobs[entry.job]
+    (again,) = world.step().create_jobs
+    assert again["metadata"]["name"] == entry.job
+    assert again["spec"]["template"]["spec"]["containers"][0]["args"][0] == "reshard"

@@ -348,6 +348,13 @@ class Serialization(ApiModel):
     service_account_name: DnsLabel | None = None
     """ServiceAccount of the serialization and verification pods (for cloud identities)."""
 
+    reshard: bool = True
+    """Make the set for a new tensor-parallel size on CPU, from a verified set of this
+    ShardedModel at another TP size (`preshard reshard`, no GPU), instead of serializing it on
+    GPUs. The resharded set is what vLLM writes at that TP size, under the same artifact key; a
+    model reshard does not support falls back to the GPU Job. false: always serialize on GPUs.
+    """
+
     @model_validator(mode="after")
     def _engine_args_not_reserved(self) -> Serialization:
         reserved = sorted(

@@ -28,6 +28,8 @@ Stage = Literal[
     "Probing",
     # The GPU Job is writing and uploading the set.
     "Serializing",
+    # A CPU Job is writing the set from a verified set of the same model at another TP size.
+    "Resharding",
     # A verify Job checks the set the serialization Job just wrote.
     "Verifying",
     # The set is complete and may be loaded.
@@ -116,6 +118,12 @@ class ShardSetStatus(StatusModel):
 
     delete_run: int = 0
     """How many delete Jobs ran for this set."""
+
+    reshard_run: int = 0
+    """How many reshard Jobs ran for this set."""
+
+    resharded_from: str | None = None
+    """The artifact key of the set this one was resharded from on CPU; none when serialized."""
 
     retry_token: str | None = None
     """The `preshard.dev/retry` annotation value last acted on."""

@@ -1,4 +1,4 @@
-"""The Jobs the controller runs: serialize (GPU), verify and delete (CPU).
+"""The Jobs the controller runs: serialize (GPU), reshard, verify and delete (CPU).
 
 Each Job runs one `preshard <subcommand>` with the user's Secrets by reference, reports through
 its termination message, and is owned by its ShardedModel.
@@ -6,6 +6,7 @@ its termination message, and is owned by its ShardedModel.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -29,10 +30,12 @@ from preshard.builders.common import (
     s3_env,
 )
 from preshard.identity import normalise_engine_args
+from preshard.layout import S3Location
 from preshard.outcome import PERMANENT_EXIT_CODES
 from preshard.settings import Settings
 
 SERIALIZE: Final = "serialize"
+RESHARD: Final = "reshard"
 VERIFY: Final = "verify"
 DELETE: Final = "delete"
 
@@ -45,11 +48,26 @@ TOOLS_RESOURCES: Final[Manifest] = {
     "requests": {"cpu": "100m", "memory": "128Mi"},
     "limits": {"memory": "512Mi"},
 }
+# A reshard holds one tensor at a time: its N source pieces and one target piece, two to three
+# times the largest tensor (a 128k-vocabulary embedding: 2 GB at hidden 8192, 4 GB at 16384)
+# plus about 1.5 GiB of imports and transfer buffers. The limit leaves room for that up to the
+# largest Llama models; an OOM kill falls back to the GPU Job.
+RESHARD_RESOURCES: Final[Manifest] = {
+    "requests": {"cpu": "2", "memory": "4Gi"},
+    "limits": {"memory": "16Gi"},
+}
 VERIFY_DEADLINE_SECONDS: Final = 3600
 DELETE_BACKOFF_LIMIT: Final = 3
 # Kubernetes removes finished Jobs a day later; the controller has recorded their outcome.
 TTL_AFTER_FINISHED_SECONDS: Final = 24 * 3600
 
+# The container security context of the CPU Jobs (the restricted Pod Security Standard's).
+_RESTRICTED: Final[Manifest] = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
 _INTEGER: Final = re.compile(r"^-?[0-9]+$")
 _DECIMAL: Final = re.compile(r"^-?[0-9]+\.[0-9]+$")
 
@@ -118,14 +136,7 @@ def build_serialize_job(job: JobInput) -> Manifest:
         env.append(
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
         )
-    # Caches and temporary files go to the sized scratch volume, not the container's layer.
-    env += [
-        {"name": "HF_HOME", "value": f"{SCRATCH_DIR}/hf"},
-        {"name": "TMPDIR", "value": f"{SCRATCH_DIR}/tmp"},  # noqa: S108 - on the scratch volume
-    ]
-    # The scheduler places a pod by its requests only: without this one, a node whose disk
-    # cannot hold the scratch volume is chosen, and the kubelet evicts the pod for disk pressure
-    # once the shards fill it. The emptyDir's sizeLimit bounds what the volume may hold.
+    env += _scratch_env()
     requests: dict[str, str] = {
         gpu: str(shard_set.tensor_parallel_size),
         "ephemeral-storage": scratch_size,
@@ -136,18 +147,10 @@ def build_serialize_job(job: JobInput) -> Manifest:
     if serialization.memory:
         requests["memory"] = serialization.memory
         limits["memory"] = serialization.memory
-    mounts: list[Manifest] = [
-        {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR},
-        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},  # noqa: S108 - the pod's shm mount
-    ]
-    volumes: list[Manifest] = [
-        {"name": SCRATCH_VOLUME, "emptyDir": {"sizeLimit": scratch_size}},
-        # NCCL between the TP workers needs more shared memory than the default 64 MiB.
-        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
-    ]
-    if spec.encryption is not None:
-        mounts.append(encryption_mount())
-        volumes.append(encryption_volume(spec.encryption))
+    mounts, volumes = _scratch_volumes(spec, scratch_size)
+    mounts.insert(1, {"name": SHM_VOLUME, "mountPath": "/dev/shm"})  # noqa: S108 - the pod's shm
+    # NCCL between the TP workers needs more shared memory than the default 64 MiB.
+    volumes.insert(1, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
     container: Manifest = {
         "name": CONTAINER,
         "image": serialization.image or settings.serializer_image,
@@ -192,6 +195,58 @@ def build_serialize_job(job: JobInput) -> Manifest:
     )
 
 
+def build_reshard_job(job: JobInput, source: S3Location) -> Manifest:
+    """The CPU Job that writes one shard set from a verified `source` set of the same model at
+    another TP size: no GPU, the serializer image (torch and tensorizer, not vLLM, run), a sized
+    scratch volume for the source's files and the new rank files, and the placement of the
+    other CPU Jobs."""
+    spec, settings, shard_set = job.spec, job.settings, job.shard_set
+    scratch_size = spec.serialization.scratch_size or settings.scratch_size
+    args = [
+        RESHARD,
+        source.uri,
+        "--to-tensor-parallel-size",
+        str(shard_set.tensor_parallel_size),
+        "--dest",
+        shard_set.uri,
+        "--artifact-key",
+        shard_set.artifact_key,
+        "--scratch-dir",
+        SCRATCH_DIR,
+        "--scratch-size-limit",
+        scratch_size,
+        *(["--encryption-keyfile", ENCRYPTION_KEYFILE] if spec.encryption else []),
+        *s3_args(spec.storage),
+        *log_args(settings),
+    ]
+    mounts, volumes = _scratch_volumes(spec, scratch_size)
+    resources = copy.deepcopy(RESHARD_RESOURCES)
+    resources["requests"]["ephemeral-storage"] = scratch_size
+    container: Manifest = {
+        "name": CONTAINER,
+        "image": spec.serialization.image or settings.serializer_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["preshard"],
+        "args": args,
+        "env": [*s3_env(spec.storage), *_scratch_env()],
+        "resources": resources,
+        "securityContext": copy.deepcopy(_RESTRICTED),
+        "volumeMounts": mounts,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: Manifest = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    _placement(pod_spec, spec.verification.node_selector, spec.verification.tolerations)
+    if spec.serialization.service_account_name:
+        pod_spec["serviceAccountName"] = spec.serialization.service_account_name
+    # Whatever fails here, the GPU Job is the way out: one pod, no retries.
+    return _job(job, RESHARD, pod_spec, backoff_limit=0, deadline=VERIFY_DEADLINE_SECONDS)
+
+
 def build_verify_job(job: JobInput) -> Manifest:
     """The CPU Job that checks a shard set against its manifest."""
     spec = job.spec
@@ -233,12 +288,7 @@ def _tools_job(
         "command": ["preshard"],
         "args": args,
         "resources": TOOLS_RESOURCES,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": copy.deepcopy(_RESTRICTED),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     env = s3_env(spec.storage)
@@ -292,6 +342,32 @@ def _job(
         },
         "spec": spec,
     }
+
+
+def _scratch_env() -> list[Manifest]:
+    # Caches and temporary files go to the sized scratch volume, not the container's layer.
+    return [
+        {"name": "HF_HOME", "value": f"{SCRATCH_DIR}/hf"},
+        {"name": "TMPDIR", "value": f"{SCRATCH_DIR}/tmp"},  # noqa: S108 - on the scratch volume
+    ]
+
+
+def _scratch_volumes(
+    spec: models.ShardedModelSpec, scratch_size: str
+) -> tuple[list[Manifest], list[Manifest]]:
+    """The mounts and volumes of a Job that writes a set: scratch, and the key if encrypted.
+
+    The scratch size is also requested as `ephemeral-storage` by the callers: the scheduler
+    places a pod by its requests only, so without it a node whose disk cannot hold the volume
+    is chosen, and the kubelet evicts the pod for disk pressure once the shards fill it. The
+    emptyDir's sizeLimit bounds what the volume may hold.
+    """
+    mounts: list[Manifest] = [{"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR}]
+    volumes: list[Manifest] = [{"name": SCRATCH_VOLUME, "emptyDir": {"sizeLimit": scratch_size}}]
+    if spec.encryption is not None:
+        mounts.append(encryption_mount())
+        volumes.append(encryption_volume(spec.encryption))
+    return mounts, volumes
 
 
 def _placement(

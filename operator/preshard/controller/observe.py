@@ -198,6 +198,8 @@ def job_view(job: Manifest, pods: list[PodView]) -> JobView:
 def _command(label: str) -> Command:
     if label == "serialize":
         return "serialize"
+    if label == "reshard":
+        return "reshard"
     if label == "delete":
         return "delete"
     return "verify"
@@ -206,6 +208,7 @@ def _command(label: str) -> Command:
 def _success_reason(command: Command) -> str:
     return {
         "serialize": reasons.SERIALIZED,
+        "reshard": reasons.RESHARDED,
         "verify": reasons.VERIFIED,
         "delete": reasons.DELETED,
         "fetch-config": reasons.CONFIG_FETCHED,

@@ -6,10 +6,12 @@ new status and the events. Running it twice on the same observation returns the 
 a plan for a converged resource is empty.
 
 Per shard set (one per wanted TP size) the lifecycle is:
-probe (verify Job: already there?) → serialize (GPU Job) → verify → Verified, re-verified every
-`verification.intervalSeconds`. Targets are pointed at a set only once it is Verified; while a
-new set is built they keep serving the one they have (an ordered transition), and a set no
-longer wanted is released, or deleted with retention `Delete`, once no target uses it.
+probe (verify Job: already there?) → reshard (CPU Job, from a verified set of the same model at
+another TP size) or serialize (GPU Job) → verify → Verified, re-verified every
+`verification.intervalSeconds`. A reshard that fails for any reason falls back to the GPU Job.
+Targets are pointed at a set only once it is Verified; while a new set is built they keep
+serving the one they have (an ordered transition), and a set no longer wanted is released, or
+deleted with retention `Delete`, once no target uses it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from preshard.builders.common import Manifest, Owner, ShardSet
 from preshard.builders.rollout import Rollout, rollout_of, template_digests
 from preshard.controller.observe import JobView, TargetPodView
 from preshard.identity import artifact_key
+from preshard.layout import shard_set_location
 from preshard.outcome import Outcome
 from preshard.settings import Settings
 
@@ -249,7 +252,7 @@ class _Planner:
         kind = _kind_of(entry.job)
         if job is None:
             # Not in the index yet (just created) or deleted under us: creating is idempotent.
-            self.plan.create_jobs.append(self._build(kind, shard_set, _run_of(entry.job)))
+            self.plan.create_jobs.append(self._build(kind, shard_set, _run_of(entry.job), entry))
             return entry
         if not job.finished:
             problem = job.problem
@@ -263,7 +266,7 @@ class _Planner:
                 update={"reason": running, "message": f"Job {job.name} is running"}
             )
         outcome = job.outcome()
-        if kind == jobs.SERIALIZE:
+        if kind in (jobs.SERIALIZE, jobs.RESHARD):
             return self._serialized(entry, shard_set, outcome)
         if kind == jobs.DELETE:
             return self._deleted(entry, shard_set, outcome)
@@ -281,13 +284,16 @@ class _Planner:
                     f"not {shard_set.tensor_parallel_size}",
                 )
             interval = self.spec.verification.interval_seconds
+            message = outcome.message or f"complete at {shard_set.uri}"
+            if entry.resharded_from is not None:
+                message = f"resharded on CPU from {entry.resharded_from}; {message}"
             return entry.model_copy(
                 update={
                     "stage": "Verified",
                     "reason": reasons.ALREADY_SERIALIZED
                     if entry.stage == "Probing"
                     else reasons.VERIFIED,
-                    "message": outcome.message or f"complete at {shard_set.uri}",
+                    "message": message,
                     "job": None,
                     "failures": 0,
                     "verified_at": self.stamp,
@@ -301,7 +307,7 @@ class _Planner:
                 }
             )
         if entry.stage == "Probing" and outcome.reason == reasons.MANIFEST_MISSING:
-            return self._start(entry.model_copy(update={"failures": 0}), shard_set, jobs.SERIALIZE)
+            return self._make(entry.model_copy(update={"failures": 0}), shard_set)
         if outcome.reason in TRANSIENT:
             return self._back_off(entry, outcome)
         return self._fail(entry, outcome.reason, outcome.message)
@@ -309,6 +315,7 @@ class _Planner:
     def _serialized(
         self, entry: ShardSetStatus, shard_set: ShardSet, outcome: Outcome
     ) -> ShardSetStatus:
+        """After a serialize or reshard Job: verify what it wrote, or deal with its failure."""
         if outcome.ok:
             entry = entry.model_copy(
                 update={
@@ -319,6 +326,21 @@ class _Planner:
                 }
             )
             return self._start(entry, shard_set, jobs.VERIFY)
+        if entry.stage == "Resharding":
+            # Whatever stopped the reshard (a model it cannot lay out, an OOM kill, the store),
+            # the GPU Job can still make the set; the event keeps the reshard's reason.
+            self.plan.events.append(
+                Event(
+                    "Normal" if outcome.reason == reasons.RESHARD_UNSUPPORTED else "Warning",
+                    outcome.reason,
+                    _clip(
+                        f"TP {shard_set.tensor_parallel_size} shard set {shard_set.artifact_key}: "
+                        f"reshard from {entry.resharded_from} failed, serializing on GPUs "
+                        f"instead: {outcome.message}"
+                    ),
+                )
+            )
+            return self._start(entry, shard_set, jobs.SERIALIZE)
         if outcome.reason in SERIALIZE_RETRIED and entry.serialize_run < SERIALIZE_RUNS:
             return self._back_off(entry, outcome)
         return self._fail(entry, outcome.reason, outcome.message)
@@ -332,19 +354,61 @@ class _Planner:
             )
         return self._back_off(entry.model_copy(update={"reason": reasons.CLEANUP_FAILED}), outcome)
 
-    def _start(self, entry: ShardSetStatus, shard_set: ShardSet, kind: str) -> ShardSetStatus:
-        counter = {jobs.VERIFY: "verify_run", jobs.SERIALIZE: "serialize_run"}.get(
-            kind, "delete_run"
+    def _make(self, entry: ShardSetStatus, shard_set: ShardSet) -> ShardSetStatus:
+        """Write a set that is not in storage: on CPU from a sibling set if there is one."""
+        source = self._reshard_source(shard_set)
+        if source is None:
+            return self._start(entry, shard_set, jobs.SERIALIZE)
+        started = self._start(
+            entry.model_copy(update={"resharded_from": source.artifact_key}),
+            shard_set,
+            jobs.RESHARD,
         )
+        return started.model_copy(
+            update={
+                "message": f"resharding on CPU from the TP {source.tensor_parallel_size} set "
+                f"{source.artifact_key}: {started.message}"
+            }
+        )
+
+    def _reshard_source(self, shard_set: ShardSet) -> ShardSetStatus | None:
+        """A verified set of this spec at another TP size, if resharding is on.
+
+        Its key must be the one the current spec gives its TP size: then model, revision,
+        dtype, image (vLLM version), engine arguments and encryption key are the same, and the
+        TP size is the only difference. A set still loaded after the spec moved on
+        (`Superseded`) qualifies too. The smallest TP size wins, so the choice is stable.
+        """
+        if not self.spec.serialization.reshard:
+            return None
+        candidates = [
+            e
+            for e in self.previous.values()
+            if e.stage in ("Verified", "Superseded")
+            and e.tensor_parallel_size != shard_set.tensor_parallel_size
+            and e.artifact_key == self._key(e.tensor_parallel_size)
+        ]
+        return min(candidates, key=lambda e: e.tensor_parallel_size, default=None)
+
+    def _start(self, entry: ShardSetStatus, shard_set: ShardSet, kind: str) -> ShardSetStatus:
+        counter = {
+            jobs.VERIFY: "verify_run",
+            jobs.SERIALIZE: "serialize_run",
+            jobs.RESHARD: "reshard_run",
+        }.get(kind, "delete_run")
         run = int(getattr(entry, counter)) + 1
-        manifest = self._build(kind, shard_set, run)
+        if kind == jobs.SERIALIZE:
+            entry = entry.model_copy(update={"resharded_from": None})
+        manifest = self._build(kind, shard_set, run, entry)
         self.plan.create_jobs.append(manifest)
         stage: Stage = entry.stage
         if kind == jobs.SERIALIZE:
             stage = "Serializing"
+        elif kind == jobs.RESHARD:
+            stage = "Resharding"
         elif kind == jobs.DELETE:
             stage = "Deleting"
-        elif entry.stage in ("Serializing", "Failed"):
+        elif entry.stage in ("Serializing", "Resharding", "Failed"):
             stage = "Verifying"
         return entry.model_copy(
             update={
@@ -399,7 +463,7 @@ class _Planner:
         )
         return base.model_copy(update={"stage": stage, "reason": reason, "message": message})
 
-    def _build(self, kind: str, shard_set: ShardSet, run: int) -> Manifest:
+    def _build(self, kind: str, shard_set: ShardSet, run: int, entry: ShardSetStatus) -> Manifest:
         job_input = jobs.JobInput(
             owner=self.resource.owner,
             spec=self.spec,
@@ -407,6 +471,10 @@ class _Planner:
             settings=self.settings,
             run=run,
         )
+        if kind == jobs.RESHARD:
+            assert entry.resharded_from is not None  # noqa: S101 - _make records it first
+            source = shard_set_location(self.spec.storage.uri, entry.resharded_from)
+            return jobs.build_reshard_job(job_input, source)
         builder = {
             jobs.SERIALIZE: jobs.build_serialize_job,
             jobs.DELETE: jobs.build_delete_job,
@@ -766,11 +834,12 @@ class _Planner:
         failed = [e for e in wanted if e.stage == "Failed"]
         not_serialized = [e for e in wanted if e.stage not in ("Verifying", "Verified")]
         not_verified = [e for e in wanted if e.stage != "Verified"]
-        serialized_reason = (
-            reasons.ALREADY_SERIALIZED
-            if all(e.serialize_run == 0 for e in wanted)
-            else reasons.SERIALIZED
-        )
+        if any(e.serialize_run for e in wanted):
+            serialized_reason = reasons.SERIALIZED
+        elif any(e.reshard_run for e in wanted):
+            serialized_reason = reasons.RESHARDED
+        else:
+            serialized_reason = reasons.ALREADY_SERIALIZED
         put(
             conditions.SERIALIZED,
             not not_serialized,
@@ -924,6 +993,8 @@ def _running_reason(kind: str, stage: Stage) -> str:
     """The reason a set carries while a Job of this kind runs for it."""
     if kind == jobs.SERIALIZE:
         return reasons.SERIALIZING
+    if kind == jobs.RESHARD:
+        return reasons.RESHARDING
     if kind == jobs.DELETE:
         return reasons.SUPERSEDED
     if stage == "Verified":
