@@ -19,9 +19,9 @@ from preshard import reasons
 from preshard.devenv import binaries
 from preshard.devenv.controlplane import LocalCluster
 from preshard.devenv.nodes import on_node
-from preshard.outcome import Outcome, exit_code
+from preshard.outcome import Outcome
 from tests.support import shardedmodels as shm
-from tests.support.cluster import complete_pod, job_pods, wait_for
+from tests.support.cluster import finish_job, wait_for
 from tests.support.operator import OperatorProcess
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
@@ -59,15 +59,6 @@ def job_named(api: k8s.ApiClient, namespace: str, suffix: str) -> dict[str, Any]
     return wait_for(find, what=f"a Job named *{suffix}")
 
 
-def finish(api: k8s.ApiClient, namespace: str, job: dict[str, Any], outcome: Outcome) -> None:
-    name = job["metadata"]["name"]
-    pod = wait_for(
-        lambda: next(iter(job_pods(api, namespace, name)), None), what=f"a pod of Job {name}"
-    )
-    code = 0 if outcome.ok else exit_code(outcome.reason)
-    complete_pod(api, pod, code, outcome.to_message())
-
-
 def test_lifecycle_probe_serialize_verify_patch(kube_api: k8s.ApiClient, namespace: str) -> None:
     shm.create_deployment(kube_api, namespace, "vllm")
     shm.create(kube_api, namespace, "llama", manual_spec())
@@ -77,7 +68,7 @@ def test_lifecycle_probe_serialize_verify_patch(kube_api: k8s.ApiClient, namespa
     assert container["args"][:3] == ["verify", container["args"][1], "--tensor-parallel-size"]
     assert probe["metadata"]["ownerReferences"][0]["kind"] == "ShardedModel"
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "False", reasons.PROBING)
-    finish(
+    finish_job(
         kube_api,
         namespace,
         probe,
@@ -90,7 +81,7 @@ def test_lifecycle_probe_serialize_verify_patch(kube_api: k8s.ApiClient, namespa
     assert serialize["spec"]["podFailurePolicy"]["rules"][0]["action"] == "FailJob"
     assert pod_spec["volumes"][0]["emptyDir"] == {"sizeLimit": "200Gi"}
     shm.wait_condition(kube_api, namespace, "llama", "Serialized", "False", reasons.SERIALIZING)
-    finish(
+    finish_job(
         kube_api,
         namespace,
         serialize,
@@ -98,7 +89,7 @@ def test_lifecycle_probe_serialize_verify_patch(kube_api: k8s.ApiClient, namespa
     )
 
     verify = job_named(kube_api, namespace, "-verify-2")
-    finish(
+    finish_job(
         kube_api,
         namespace,
         verify,
@@ -264,7 +255,7 @@ def test_restart_picks_up_a_running_job_without_a_second_one(
     shm.create_deployment(kube_api, namespace, "vllm")
     shm.create(kube_api, namespace, "llama", manual_spec())
     probe = job_named(kube_api, namespace, "-verify-1")
-    finish(
+    finish_job(
         kube_api,
         namespace,
         probe,
@@ -275,14 +266,16 @@ def test_restart_picks_up_a_running_job_without_a_second_one(
     running_operator.kill()
     running_operator.start()
     serialize = job_named(kube_api, namespace, "-serialize-1")
-    finish(
+    finish_job(
         kube_api,
         namespace,
         serialize,
         Outcome(command="serialize", ok=True, reason=reasons.SERIALIZED),
     )
     verify = job_named(kube_api, namespace, "-verify-2")
-    finish(kube_api, namespace, verify, Outcome(command="verify", ok=True, reason=reasons.VERIFIED))
+    finish_job(
+        kube_api, namespace, verify, Outcome(command="verify", ok=True, reason=reasons.VERIFIED)
+    )
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
     names = [j["metadata"]["name"] for j in shm.jobs(kube_api, namespace)]
     assert sum(name.endswith("-serialize-1") for name in names) == 1

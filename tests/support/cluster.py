@@ -13,6 +13,7 @@ from kubernetes.client.exceptions import ApiException
 
 from preshard.devenv import nodes
 from preshard.devenv.kubeconfig import api_client
+from preshard.outcome import Outcome, exit_code
 
 T = TypeVar("T")
 
@@ -171,3 +172,13 @@ def complete_pod(
     k8s.CoreV1Api(api).patch_namespaced_pod_status(
         meta.name, meta.namespace, body, _content_type="application/merge-patch+json"
     )
+
+
+def finish_job(api: k8s.ApiClient, namespace: str, job: dict[str, Any], outcome: Outcome) -> None:
+    """End a Job's pod on `kwok-manual-0` the way its data-plane command would: the exit code
+    of `outcome`'s reason and the outcome as its termination message."""
+    name = job["metadata"]["name"]
+    pod = wait_for(
+        lambda: next(iter(job_pods(api, namespace, name)), None), what=f"a pod of Job {name}"
+    )
+    complete_pod(api, pod, 0 if outcome.ok else exit_code(outcome.reason), outcome.to_message())

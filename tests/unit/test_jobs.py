@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from preshard.api.models import parse_spec
+from preshard.api.models import InvalidSpecError, parse_spec
 from preshard.builders.common import Owner, ShardSet, child_name
 from preshard.builders.jobs import (
     JobInput,
@@ -73,6 +73,10 @@ S3_ENV = [
 ]
 
 
+# The restricted Pod Security Standard's pod-level settings, on every Job pod.
+POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
 def metadata(name: str, command: str) -> dict[str, Any]:
     return {
         "name": name,
@@ -123,6 +127,7 @@ def test_serialize_job() -> None:
                 "spec": {
                     "restartPolicy": "Never",
                     "automountServiceAccountToken": False,
+                    "securityContext": POD_SECURITY,
                     "containers": [
                         {
                             "name": "preshard",
@@ -176,6 +181,10 @@ def test_serialize_job() -> None:
                                     "memory": "200Gi",
                                 },
                                 "limits": {"nvidia.com/gpu": "2", "memory": "200Gi"},
+                            },
+                            "securityContext": {
+                                "allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"]},
                             },
                             "volumeMounts": [
                                 {"name": "scratch", "mountPath": "/var/run/preshard/scratch"},
@@ -240,6 +249,7 @@ def test_verify_job() -> None:
                 "spec": {
                     "restartPolicy": "Never",
                     "automountServiceAccountToken": False,
+                    "securityContext": POD_SECURITY,
                     "containers": [
                         {
                             "name": "preshard",
@@ -295,6 +305,7 @@ def test_reshard_job() -> None:
                 "spec": {
                     "restartPolicy": "Never",
                     "automountServiceAccountToken": False,
+                    "securityContext": POD_SECURITY,
                     "containers": [
                         {
                             "name": "preshard",
@@ -540,3 +551,73 @@ def test_child_names_fit_a_label_value() -> None:
 def test_engine_argument_values_are_typed_conservatively(value: str, expected: object) -> None:
     assert coerce_engine_arg(value) == expected
     assert type(coerce_engine_arg(value)) is type(expected)
+
+
+def test_job_pods_extras_reach_every_job() -> None:
+    extras = {
+        "labels": {"kueue.x-k8s.io/queue-name": "gpu-queue"},
+        "annotations": {"example.com/team": "inference"},
+        "env": [
+            {"name": "HTTPS_PROXY", "value": "http://proxy.internal:3128"},
+            {"name": "PROXY_AUTH", "valueFrom": {"secretKeyRef": {"name": "proxy", "key": "auth"}}},
+        ],
+        "priorityClassName": "batch-high",
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                    ]
+                }
+            }
+        },
+        "imagePullSecrets": [{"name": "registry"}],
+    }
+    spec = job_input({**SPEC, "jobPods": extras})
+    source = ShardSet.for_spec(spec.spec, 1, "fedcba9876543210fedc").location
+    built = [
+        build_serialize_job(spec),
+        build_reshard_job(spec, source),
+        build_verify_job(spec),
+        build_delete_job(spec),
+    ]
+    for job in built:
+        pod = job["spec"]["template"]
+        for meta in (job["metadata"], pod["metadata"]):
+            assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+            assert meta["labels"]["preshard.dev/shardedmodel"] == "llama"
+            assert meta["annotations"]["example.com/team"] == "inference"
+        env = container_of(job)["env"]
+        assert env[-2:] == extras["env"], job["metadata"]["name"]
+        assert pod["spec"]["priorityClassName"] == "batch-high"
+        assert pod["spec"]["affinity"] == extras["affinity"]
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "registry"}]
+        assert pod["spec"]["securityContext"] == POD_SECURITY
+
+
+@pytest.mark.parametrize(
+    ("extras", "message"),
+    [
+        ({"env": [{"name": "HF_TOKEN", "value": "x"}]}, "may not set HF_TOKEN"),
+        ({"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, "sets A more than"),
+        ({"labels": {"preshard.dev/owner": "x"}}, "may not use preshard.dev/owner"),
+        ({"annotations": {"app.kubernetes.io/name": "x"}}, "may not use app.kubernetes.io/name"),
+        (
+            {
+                "env": [
+                    {
+                        "name": "A",
+                        "value": "1",
+                        "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}},
+                    }
+                ]
+            },
+            "not both",
+        ),
+    ],
+)
+def test_job_pods_may_not_take_over_what_preshard_sets(
+    extras: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidSpecError, match=message):
+        parse_spec({**SPEC, "jobPods": extras})

@@ -519,6 +519,138 @@ class Target(ApiModel):
         )
 
 
+# What preshard sets on its Job pods itself: these names are refused in jobPods.env and labels.
+RESERVED_JOB_ENV: Final = frozenset(
+    {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_ENDPOINT_URL_S3",
+        "HF_TOKEN",
+        "HF_HOME",
+        "TMPDIR",
+    }
+)
+RESERVED_LABEL_PREFIXES: Final = ("preshard.dev/", "app.kubernetes.io/", "batch.kubernetes.io/")
+ENV_NAME_PATTERN: Final = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+
+
+class KeyRef(ApiModel):
+    """A key of a Secret or ConfigMap in the ShardedModel's namespace."""
+
+    name: ResourceName
+    """Name of the Secret or ConfigMap."""
+
+    key: SecretKey
+    """Key within its data."""
+
+
+class EnvSource(ApiModel):
+    """Where an environment variable's value comes from (one of the two)."""
+
+    secret_key_ref: KeyRef | None = None
+    """A key of a Secret (a proxy's credentials, say): referenced, never copied."""
+
+    config_map_key_ref: KeyRef | None = None
+    """A key of a ConfigMap."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> EnvSource:
+        if (self.secret_key_ref is None) == (self.config_map_key_ref is None):
+            raise ValueError("valueFrom needs exactly one of secretKeyRef and configMapKeyRef")
+        return self
+
+
+class EnvVar(ApiModel):
+    """An environment variable of the Job pods: a value, or a reference."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=ENV_NAME_PATTERN)]
+    """Name of the variable."""
+
+    value: Annotated[str, StringConstraints(max_length=4096)] | None = None
+    """Its value (not for secrets: use valueFrom)."""
+
+    value_from: EnvSource | None = None
+    """A Secret or ConfigMap key to read it from."""
+
+    @model_validator(mode="after")
+    def _value_or_reference(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError(f"env {self.name}: set value or valueFrom, not both")
+        return self
+
+
+class LocalObjectReference(ApiModel):
+    """An object in the ShardedModel's namespace, by name."""
+
+    name: ResourceName
+    """Its name."""
+
+
+class JobPods(ApiModel):
+    """What the pods of every Job preshard runs (serialize, reshard, verify, delete) get besides
+    what preshard sets: for proxies, admission and queueing systems, and scheduling."""
+
+    labels: dict[LabelKey, LabelValue] = Field(
+        default_factory=dict, json_schema_extra={"maxProperties": 32}
+    )
+    """Labels of the Jobs and their pods, e.g. `kueue.x-k8s.io/queue-name` (Kueue reads it from
+    the Job). Keys under `preshard.dev/`, `app.kubernetes.io/` and `batch.kubernetes.io/` are
+    preshard's or Kubernetes' own and are refused.
+    """
+
+    annotations: dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=317, pattern=LABEL_KEY_PATTERN)],
+        Annotated[str, StringConstraints(max_length=4096)],
+    ] = Field(default_factory=dict, json_schema_extra={"maxProperties": 32})
+    """Annotations of the Jobs and their pods (keys under `preshard.dev/` are refused)."""
+
+    env: list[EnvVar] = Field(default_factory=list, max_length=32)
+    """Extra environment of the Job containers: `HTTPS_PROXY`, `NO_PROXY`, `HF_ENDPOINT`,
+    `AWS_CA_BUNDLE`, ... Variables preshard sets itself (S3 credentials, region and endpoint,
+    `HF_TOKEN`, `HF_HOME`, `TMPDIR`) are refused.
+    """
+
+    priority_class_name: ResourceName | None = None
+    """PriorityClass of the Job pods."""
+
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+    )
+    """A Kubernetes `affinity` (nodeAffinity, podAffinity, podAntiAffinity) for the Job pods,
+    as in a pod spec; the API server checks it when the Job is created.
+    """
+
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16)
+    """Secrets to pull the serializer and tools images with, besides the ServiceAccount's."""
+
+    @model_validator(mode="after")
+    def _not_preshards_own(self) -> JobPods:
+        reserved_env = sorted({e.name for e in self.env} & RESERVED_JOB_ENV)
+        if reserved_env:
+            raise ValueError(
+                f"jobPods.env may not set {', '.join(reserved_env)}: preshard sets these itself"
+            )
+        names = [e.name for e in self.env]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"jobPods.env sets {', '.join(duplicated)} more than once")
+        reserved = sorted(
+            key
+            for key in [*self.labels, *self.annotations]
+            if key.startswith(RESERVED_LABEL_PREFIXES)
+        )
+        if reserved:
+            raise ValueError(
+                f"jobPods labels and annotations may not use {', '.join(reserved)}: "
+                "these prefixes are preshard's and Kubernetes' own"
+            )
+        return self
+
+
 class ShardedModelSpec(ApiModel):
     """What to shard, where to put it, and which vLLM Deployments load it."""
 
@@ -568,6 +700,10 @@ class ShardedModelSpec(ApiModel):
 
     encryption: Encryption | None = None
     """Encrypt the shards; without it they are stored in the clear."""
+
+    job_pods: JobPods = Field(default_factory=JobPods)
+    """Extra labels, annotations, environment, priority, affinity and pull secrets of the pods of
+    every Job preshard runs."""
 
     targets: list[Target] = Field(default_factory=list, max_length=64)
     """Deployments to patch once their shard set is verified."""

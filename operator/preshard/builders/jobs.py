@@ -159,6 +159,11 @@ def build_serialize_job(job: JobInput) -> Manifest:
         "args": args,
         "env": env,
         "resources": {"requests": requests, "limits": limits},
+        # Not the tools Jobs' read-only root: vLLM and its compilers write caches under $HOME.
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
         "volumeMounts": mounts,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -314,11 +319,14 @@ def _job(
     deadline: int,
     failure_policy: Manifest | None = None,
 ) -> Manifest:
-    job_labels = labels(job.owner, job.shard_set, kind)
+    extras = job.spec.job_pods
+    job_labels = {**extras.labels, **labels(job.owner, job.shard_set, kind)}
     annotations = {
+        **extras.annotations,
         ANNOTATION_TP: str(job.shard_set.tensor_parallel_size),
         ANNOTATION_URI: job.shard_set.uri,
     }
+    _add_job_pods(pod_spec, extras)
     spec: Manifest = {
         "backoffLimit": backoff_limit,
         "activeDeadlineSeconds": deadline,
@@ -342,6 +350,26 @@ def _job(
         },
         "spec": spec,
     }
+
+
+def _add_job_pods(pod_spec: Manifest, extras: models.JobPods) -> None:
+    """What every Job pod gets: the restricted Pod Security Standard's pod-level settings (the
+    images run as a non-root user; each container drops its privileges itself), and the
+    user's `jobPods` additions."""
+    pod_spec["securityContext"] = {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if extras.env:
+        env = [e.model_dump(by_alias=True, exclude_none=True) for e in extras.env]
+        for container in pod_spec["containers"]:
+            container["env"] = [*container.get("env", []), *env]
+    if extras.priority_class_name:
+        pod_spec["priorityClassName"] = extras.priority_class_name
+    if extras.affinity:
+        pod_spec["affinity"] = extras.affinity
+    if extras.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in extras.image_pull_secrets]
 
 
 def _scratch_env() -> list[Manifest]:

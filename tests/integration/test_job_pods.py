@@ -1,0 +1,193 @@
+"""Every pod preshard creates passes the restricted Pod Security Standard, and carries what
+`spec.jobPods` adds: checked by the real API server's PodSecurity admission in a namespace that
+enforces `restricted`, through probe, serialize, verify, the patched Deployment's rollout and a
+reshard."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Iterator
+from typing import Any, Final
+
+import pytest
+from kubernetes import client as k8s
+
+from preshard import reasons
+from preshard.devenv.nodes import on_node
+from preshard.outcome import Outcome
+from tests.support import shardedmodels as shm
+from tests.support.cluster import finish_job, plain, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
+
+MANUAL: Final = on_node("manual")
+RESTRICTED_POD: dict[str, Any] = {
+    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+}
+RESTRICTED_CONTAINER: dict[str, Any] = {
+    **shm.VLLM_CONTAINER,
+    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+}
+JOB_PODS: dict[str, Any] = {
+    "labels": {"kueue.x-k8s.io/queue-name": "gpu-queue"},
+    "annotations": {"example.com/team": "inference"},
+    "env": [
+        {"name": "HTTPS_PROXY", "value": "http://proxy.internal:3128"},
+        {"name": "NO_PROXY", "value": ".svc,.cluster.local"},
+    ],
+    "affinity": {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 1,
+                    "preference": {
+                        "matchExpressions": [{"key": "type", "operator": "In", "values": ["kwok"]}]
+                    },
+                }
+            ]
+        }
+    },
+    "imagePullSecrets": [{"name": "registry"}],
+}
+
+
+@pytest.fixture
+def restricted_namespace(kube_api: k8s.ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace whose PodSecurity admission enforces `restricted`."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"r-{slug}-{secrets.token_hex(3)}"
+    core = k8s.CoreV1Api(kube_api)
+    labels = {
+        "pod-security.kubernetes.io/enforce": "restricted",
+        "pod-security.kubernetes.io/enforce-version": "latest",
+    }
+    core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name, labels=labels)))
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name, propagation_policy="Background")
+
+
+def test_the_namespace_refuses_a_pod_that_is_not_restricted(
+    kube_api: k8s.ApiClient, restricted_namespace: str
+) -> None:
+    """The check below means something: the admission is on and refuses a plain pod."""
+    pod = k8s.V1Pod(
+        metadata=k8s.V1ObjectMeta(name="plain"),
+        spec=k8s.V1PodSpec(containers=[k8s.V1Container(name="c", image="busybox")]),
+    )
+    with pytest.raises(k8s.ApiException) as refused:
+        k8s.CoreV1Api(kube_api).create_namespaced_pod(restricted_namespace, pod)
+    assert refused.value.status == 403
+    assert "violates PodSecurity" in str(refused.value.body)
+
+
+def test_every_pod_preshard_creates_passes_the_restricted_standard(
+    kube_api: k8s.ApiClient, restricted_namespace: str
+) -> None:
+    namespace = restricted_namespace
+    shm.create_deployment(
+        kube_api, namespace, "vllm", container=RESTRICTED_CONTAINER, pod_spec=RESTRICTED_POD
+    )
+    # The CPU Jobs (probes, verifications, the reshard) wait on the manual node for the test
+    # to report their outcome; the serialize Job runs on a kwok GPU node, which completes it.
+    body = {
+        "model": {"id": "org/model", "revision": "abc123"},
+        "storage": {
+            "uri": "s3://models/shards",
+            "endpoint": "http://s3.storage:8333",
+            "credentialsSecretRef": {"name": "s3"},
+        },
+        "tensorParallelSizes": [2],
+        "verification": {
+            "nodeSelector": MANUAL["nodeSelector"],
+            "tolerations": MANUAL["tolerations"],
+        },
+        "targets": [{"name": "vllm"}],
+        "jobPods": JOB_PODS,
+    }
+    shm.create(kube_api, namespace, "llama", body)
+    for tp in (2, 4):
+        key = artifact_key_of(kube_api, namespace, tp)
+        finish_job(
+            kube_api, namespace, job_named(kube_api, namespace, f"{key[:8]}-verify-1"), MISSING
+        )
+        if tp == 4:
+            reshard = job_named(kube_api, namespace, f"{key[:8]}-reshard-1")
+            finish_job(kube_api, namespace, reshard, RESHARDED)
+        finish_job(
+            kube_api, namespace, job_named(kube_api, namespace, f"{key[:8]}-verify-2"), verified(tp)
+        )
+        if tp == 2:
+            shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
+            # A second TP size: its set is resharded from the first by a CPU Job.
+            shm.patch(kube_api, namespace, "llama", {"spec": {"tensorParallelSizes": [2, 4]}})
+    wait_for(lambda: tp_set(kube_api, namespace, 4, stage="Verified"), what="the TP 4 set verified")
+
+    jobs = shm.jobs(kube_api, namespace)
+    kinds = sorted(j["metadata"]["labels"]["preshard.dev/command"] for j in jobs)
+    assert kinds == ["reshard", "serialize", "verify", "verify", "verify", "verify"], kinds
+    core = k8s.CoreV1Api(kube_api)
+    listed = core.list_namespaced_pod(namespace, label_selector="preshard.dev/command")
+    pods = plain(kube_api, listed)["items"]
+    # Each Job made its pod: the admission let every one of them in.
+    assert {p["metadata"]["labels"]["job-name"] for p in pods} == {
+        j["metadata"]["name"] for j in jobs
+    }
+    for job in jobs:
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        assert job["metadata"]["annotations"]["example.com/team"] == "inference"
+    for pod in pods:
+        assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["HTTPS_PROXY"] == "http://proxy.internal:3128", pod["metadata"]["name"]
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "registry"}]
+        assert pod["spec"]["affinity"] == JOB_PODS["affinity"]
+    # The patched Deployment's pods (with preshard's init container) were admitted too.
+    served = plain(kube_api, core.list_namespaced_pod(namespace, label_selector="app=vllm"))
+    assert any(
+        c["name"] == "preshard-fetch-config"
+        for p in served["items"]
+        for c in p["spec"].get("initContainers") or []
+    )
+    refusals = core.list_namespaced_event(namespace, field_selector="reason=FailedCreate").items
+    assert refusals == [], [e.message for e in refusals]
+
+
+def tp_set(
+    api: k8s.ApiClient, namespace: str, tp: int, stage: str | None = None
+) -> dict[str, Any] | None:
+    """The status entry of the ShardedModel's set at one TP size (in a stage)."""
+    sets = (shm.get(api, namespace, "llama").get("status") or {}).get("shardSets") or []
+    return next(
+        (
+            s
+            for s in sets
+            if s["tensorParallelSize"] == tp and (stage is None or s["stage"] == stage)
+        ),
+        None,
+    )
+
+
+def artifact_key_of(api: k8s.ApiClient, namespace: str, tp: int) -> str:
+    entry = wait_for(lambda: tp_set(api, namespace, tp), what=f"a TP {tp} set in the status")
+    key: str = entry["artifactKey"]
+    return key
+
+
+def job_named(api: k8s.ApiClient, namespace: str, suffix: str) -> dict[str, Any]:
+    return wait_for(
+        lambda: next(
+            (j for j in shm.jobs(api, namespace) if j["metadata"]["name"].endswith(suffix)), None
+        ),
+        what=f"a Job named *{suffix}",
+    )
+
+
+def verified(tp: int) -> Outcome:
+    return Outcome(command="verify", ok=True, reason=reasons.VERIFIED, tensor_parallel_size=tp)
+
+
+MISSING: Final = Outcome(command="verify", ok=False, reason=reasons.MANIFEST_MISSING)
+RESHARDED: Final = Outcome(command="reshard", ok=True, reason=reasons.RESHARDED)
