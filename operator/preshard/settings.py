@@ -15,6 +15,7 @@ from preshard import __version__
 from preshard.quantity import QuantityError, whole_bytes
 
 ENV_PREFIX: Final = "PRESHARD_"
+MAX_PORT: Final = 65535
 
 
 class SettingsError(ValueError):
@@ -69,6 +70,11 @@ class Settings:
     log_format: str = "text"
     """`text` or `json`."""
 
+    metrics_port: int = 0
+    """Port of the Prometheus endpoint `/metrics` on every address of the operator; 0 serves
+    none. Off unless set, so operators started side by side on one machine (tests, `make run`)
+    never contend for a port; the Helm chart sets it (9090 by default)."""
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Settings from `PRESHARD_*` variables; unset ones keep their defaults."""
@@ -98,6 +104,9 @@ class Settings:
         log_format = text("LOG_FORMAT", defaults.log_format)
         if log_format not in ("text", "json"):
             raise SettingsError(f"{ENV_PREFIX}LOG_FORMAT must be text or json, not {log_format!r}")
+        metrics_port = number("METRICS_PORT", defaults.metrics_port, 0)
+        if metrics_port > MAX_PORT:
+            raise SettingsError(f"{ENV_PREFIX}METRICS_PORT must be at most {MAX_PORT}")
         namespaces = tuple(
             sorted(
                 {n.strip() for n in env.get(ENV_PREFIX + "NAMESPACES", "").split(",") if n.strip()}
@@ -124,4 +133,5 @@ class Settings:
                 "RETRY_BACKOFF_MAX_SECONDS", defaults.retry_backoff_max_seconds, 1
             ),
             log_format=log_format,
+            metrics_port=metrics_port,
         )

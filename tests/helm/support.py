@@ -16,6 +16,7 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
+from preshard.devenv import procs
 from tests.support.cluster import plain
 from tests.support.operator import OperatorProcess
 
@@ -27,6 +28,7 @@ CRD_NAME: Final = "shardedmodels.preshard.dev"
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion); renders must work there.
 KUBE_VERSION: Final = "1.31.0"
 LIVENESS_FLAG: Final = "--liveness="
+METRICS_PORT_ENV: Final = "PRESHARD_METRICS_PORT"
 SECURE_NAMESPACE_LABELS: Final = {
     "pod-security.kubernetes.io/enforce": "restricted",
     "pod-security.kubernetes.io/enforce-version": "latest",
@@ -159,7 +161,8 @@ def copy_chart(target: Path, *, version: str) -> Path:
 def chart_operator(deployment: Manifest, kubeconfig: Path, work_dir: Path) -> OperatorProcess:
     """`preshard run` as a local process with the args and environment of the chart's
     Deployment, acting with the chart's ServiceAccount (its kubeconfig) and seeing nothing of
-    this process's environment. Only the liveness address changes (a free loopback port)."""
+    this process's environment. Only the liveness address and the metrics port change (free
+    ports, so operators of two test runs on one machine do not contend for the chart's)."""
     container = operator_container(deployment)
     command = list(container.get("command") or [])
     assert command == ["preshard"], f"the chart runs the preshard entrypoint: {command}"
@@ -169,6 +172,8 @@ def chart_operator(deployment: Manifest, kubeconfig: Path, work_dir: Path) -> Op
     home = work_dir / "home"
     home.mkdir(parents=True, exist_ok=True)
     env = {"HOME": str(home), **container_env(container)}
+    if env.get(METRICS_PORT_ENV, "0") != "0":
+        env[METRICS_PORT_ENV] = str(procs.free_port())
     return OperatorProcess(kubeconfig, work_dir, env, args=args, inherit_env=False)
 
 

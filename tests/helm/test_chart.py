@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 import preshard
+from preshard.controller import metrics
 from preshard.settings import ENV_PREFIX, Settings
 from tests.helm.support import (
     CHART,
@@ -32,6 +33,9 @@ from tests.helm.support import (
 )
 
 CUSTOM_VALUES: Final = Path(__file__).parent / "values" / "custom.yaml"
+DASHBOARD: Final = CHART / "dashboards" / "preshard.json"
+METRICS_PORT: Final = 9090
+METRIC: Final = re.compile(r"\bpreshard_[a-z0-9_]+")
 CRD_TEMPLATE: Final = "templates/crds.yaml"
 KEEP_ANNOTATION: Final = "  annotations:\n    helm.sh/resource-policy: keep\n"
 
@@ -112,16 +116,30 @@ def test_defaults_render_the_operator_and_nothing_more(defaults: list[Manifest])
         ("ClusterRoleBinding", "preshard"),
         ("CustomResourceDefinition", CRD_NAME),
         ("Deployment", "preshard"),
+        ("Service", "preshard-metrics"),
         ("ServiceAccount", "preshard"),
     ]
 
 
 def test_names_and_labels_are_truncated_to_63_characters(helm: Tool) -> None:
     release, name = "r" * 53, "n" * 20
-    manifests = template(helm, "--set", f"nameOverride={name}", release=release)
+    manifests = template(
+        helm,
+        "--set",
+        f"nameOverride={name}",
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "metrics.dashboard.enabled=true",
+        release=release,
+    )
     fullname = f"{release}-{name}"[:63]
+    # A Service's name is a DNS label.
+    for kind in ("Service", "ServiceMonitor", "ConfigMap"):
+        assert len(one(manifests, kind)["metadata"]["name"]) <= 63, kind
     assert one(manifests, "Deployment")["metadata"]["name"] == fullname
     assert one(manifests, "ServiceAccount")["metadata"]["name"] == fullname
+    assert one(manifests, "Service")["metadata"]["name"] == f"{fullname[:55]}-metrics"
     for manifest in manifests:
         assert all(len(value) <= 63 for value in manifest["metadata"]["labels"].values())
 
@@ -151,7 +169,10 @@ def test_deployment_runs_one_hardened_operator(defaults: list[Manifest]) -> None
     assert container["image"] == f"ghcr.io/preshard/preshard:{preshard.__version__}"
     assert container["command"] == ["preshard"]
     assert container["args"] == ["run", "--liveness=http://0.0.0.0:8080/healthz"]
-    assert container["ports"] == [{"name": "healthz", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "healthz", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+    ]
     assert container["livenessProbe"] == {
         "httpGet": {"path": "/healthz", "port": "healthz"},
         "initialDelaySeconds": 10,
@@ -170,7 +191,8 @@ def test_deployment_runs_one_hardened_operator(defaults: list[Manifest]) -> None
 def test_default_settings_are_the_operators_defaults(defaults: list[Manifest]) -> None:
     env = container_env(operator_container(one(defaults, "Deployment")))
     assert all(name.startswith(ENV_PREFIX) for name in env)
-    assert Settings.from_env(env) == Settings()
+    # But for the metrics port: the chart serves metrics, a bare `preshard run` does not.
+    assert Settings.from_env(env) == dataclasses.replace(Settings(), metrics_port=METRICS_PORT)
 
 
 def test_every_setting_is_configurable(custom: list[Manifest]) -> None:
@@ -195,6 +217,7 @@ def test_every_setting_is_configurable(custom: list[Manifest]) -> None:
         retry_backoff_seconds=5,
         retry_backoff_max_seconds=60,
         log_format="json",
+        metrics_port=9102,
     )
 
 
@@ -222,6 +245,7 @@ def test_custom_values_reach_the_pod(custom: list[Manifest]) -> None:
         "seccompProfile": {"type": "RuntimeDefault"},
     }
     container = operator_container(deployment)
+    assert container["ports"][1] == {"name": "metrics", "containerPort": 9102, "protocol": "TCP"}
     assert container["image"].endswith("@sha256:" + "0123456789abcdef" * 4)
     assert container["imagePullPolicy"] == "Always"
     assert container["args"] == ["run", "--liveness=http://0.0.0.0:8080/healthz", "--verbose"]
@@ -368,6 +392,22 @@ def test_crd_can_be_left_out(helm: Tool) -> None:
         (["--set", "watchNamespaces={Team_A}"], "at '/watchNamespaces/0': 'Team_A' does not match"),
         (["--set", "image.digest=latest"], "at '/image/digest': 'latest' does not match"),
         (["--set", "config.numReaders=null"], "at '/config': missing property 'numReaders'"),
+        (["--set", "metrics.port=8080"], "at '/metrics/port': 'not' failed"),
+        (["--set", "metrics.port=0"], "at '/metrics/port': minimum: got 0"),
+        (["--set-string", "metrics.enabled=yes"], "at '/metrics/enabled': got string, want"),
+        (
+            ["--set", "metrics.serviceMonitor.interval=soon"],
+            "at '/metrics/serviceMonitor/interval': 'soon' does not match",
+        ),
+        (
+            ["--set", "metrics.serviceMonitor.scrapeTimeout=10"],
+            "at '/metrics/serviceMonitor/scrapeTimeout'",
+        ),
+        (["--set", "metrics.path=/m"], "additional properties 'path' not allowed"),
+        (
+            ["--set", "metrics.serviceMonitor.labels=null"],
+            "at '/metrics/serviceMonitor': missing property 'labels'",
+        ),
     ],
     ids=[
         "string-for-number",
@@ -382,12 +422,151 @@ def test_crd_can_be_left_out(helm: Tool) -> None:
         "namespace-pattern",
         "digest-pattern",
         "setting-removed",
+        "metrics-on-the-liveness-port",
+        "metrics-port-zero",
+        "metrics-enabled-string",
+        "interval-pattern",
+        "scrape-timeout-without-unit",
+        "unknown-metrics-key",
+        "service-monitor-labels-removed",
     ],
 )
 def test_schema_rejects_bad_values(helm: Tool, args: list[str], expected: str) -> None:
     error = template_error(helm, *args)
     assert "values don't meet the specifications of the schema" in error
     assert expected in error
+
+
+# Metrics.
+
+
+def test_a_cluster_ip_service_fronts_the_metrics_port(defaults: list[Manifest]) -> None:
+    service, deployment = one(defaults, "Service"), one(defaults, "Deployment")
+    assert service["metadata"]["namespace"] == "preshard-system"
+    assert service["metadata"]["labels"]["app.kubernetes.io/component"] == "metrics"
+    assert "annotations" not in service["metadata"]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    env = container_env(operator_container(deployment))
+    assert Settings.from_env(env).metrics_port == METRICS_PORT
+    assert not of_kind(defaults, "ServiceMonitor")
+    assert not of_kind(defaults, "ConfigMap")
+
+
+def test_metrics_can_be_turned_off(helm: Tool) -> None:
+    manifests = template(helm, "--set", "metrics.enabled=false")
+    assert not of_kind(manifests, "Service")
+    container = operator_container(one(manifests, "Deployment"))
+    assert [port["name"] for port in container["ports"]] == ["healthz"]
+    env = container_env(container)
+    assert env["PRESHARD_METRICS_PORT"] == "0"
+    assert Settings.from_env(env).metrics_port == 0
+
+
+def test_the_service_monitor_scrapes_the_metrics_service_only(custom: list[Manifest]) -> None:
+    monitor, service = one(custom, "ServiceMonitor"), one(custom, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["name"] == "model-sharder"
+    assert monitor["metadata"]["namespace"] == "preshard-system"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    pod_labels = one(custom, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= pod_labels.items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["preshard-system"]}
+    assert monitor["spec"]["endpoints"] == [
+        {
+            "port": "metrics",
+            "path": "/metrics",
+            "interval": "1m",
+            "scrapeTimeout": "20s",
+            "honorLabels": True,
+        }
+    ]
+    assert service["metadata"]["name"] == "model-sharder-metrics"
+    assert service["metadata"]["annotations"] == {"prometheus.io/scrape": "true"}
+    assert service["spec"]["ports"][0]["port"] == 9102
+
+
+def test_the_service_monitor_leaves_the_scrape_timeout_to_prometheus(helm: Tool) -> None:
+    manifests = template(helm, "--set", "metrics.serviceMonitor.enabled=true")
+    monitor = one(manifests, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "30s", "honorLabels": True}
+    ]
+    assert monitor["metadata"]["labels"]["app.kubernetes.io/instance"] == "preshard"
+
+
+def test_a_service_monitor_needs_metrics(helm: Tool) -> None:
+    error = template_error(
+        helm, "--set", "metrics.enabled=false", "--set", "metrics.serviceMonitor.enabled=true"
+    )
+    assert "metrics.serviceMonitor.enabled needs metrics.enabled" in error
+
+
+def dashboard_queries(dashboard: dict[str, Any]) -> list[str]:
+    """Every PromQL expression of a Grafana dashboard: panel targets and variable queries."""
+    panels = list(dashboard["panels"])
+    panels += [nested for p in dashboard["panels"] for nested in p.get("panels", [])]
+    queries = [target["expr"] for panel in panels for target in panel.get("targets", [])]
+    queries += [
+        variable["definition"]
+        for variable in dashboard["templating"]["list"]
+        if variable["type"] == "query"
+    ]
+    return queries
+
+
+def test_the_dashboard_shows_only_and_every_metric_the_operator_exports() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exported = metrics.Metrics().sample_names()
+    used = {name for query in dashboard_queries(dashboard) for name in METRIC.findall(query)}
+    assert used, "the dashboard queries no preshard metric"
+    assert used <= exported, f"not exported by the operator: {sorted(used - exported)}"
+    families = {
+        metrics.RECONCILE_PASSES,
+        metrics.RECONCILE_DURATION,
+        metrics.RECONCILE_ERRORS,
+        metrics.SHARD_SETS,
+        metrics.JOBS_STARTED,
+        metrics.JOBS_FAILED,
+        metrics.DEPLOYMENT_PATCHES,
+        metrics.VERIFICATIONS,
+        metrics.TIME_TO_READY,
+        metrics.DATAPLANE_BYTES,
+        metrics.DATAPLANE_DURATION,
+        metrics.DATAPLANE_THROUGHPUT,
+    }
+    unshown = sorted(f for f in families if not any(name.startswith(f) for name in used))
+    assert not unshown, f"metrics the dashboard does not show: {unshown}"
+
+
+def test_the_dashboard_is_a_grafana_dashboard_on_a_chosen_prometheus() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "preshard-operator"
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        if panel["type"] != "row":
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert panel["targets"], panel["title"]
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["query"] == "prometheus"
+
+
+def test_the_dashboard_ships_as_a_config_map_for_the_grafana_sidecar(
+    custom: list[Manifest],
+) -> None:
+    config_map = one(custom, "ConfigMap")
+    assert config_map["metadata"]["name"] == "model-sharder-dashboard"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "Inference"}
+    assert json.loads(config_map["data"]["preshard.json"]) == json.loads(DASHBOARD.read_text())
 
 
 def test_existing_service_account_must_be_named(helm: Tool) -> None:

@@ -114,3 +114,10 @@ them; only the Jobs and Deployments it creates or patches reference them, by nam
   resources: ["events"]
   verbs: ["create", "patch"]
 {{- end }}
+
+{{/*
+The metrics Service: "<fullname>-metrics", at most 63 characters.
+*/}}
+{{- define "preshard.metricsServiceName" -}}
+{{- printf "%s-metrics" (include "preshard.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}

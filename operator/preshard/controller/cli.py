@@ -74,7 +74,12 @@ def register(subcommands: Subparsers[argparse.ArgumentParser]) -> None:
 def _run(args: argparse.Namespace) -> int:
     import kopf  # noqa: PLC0415 - kopf is only needed by the operator itself
 
-    from preshard.controller import handlers  # noqa: PLC0415, F401 - registers the handlers
+    # Imported here, not at the top: the data-plane images run `preshard` without kopf, the
+    # Kubernetes client or prometheus_client.
+    from preshard.controller import (  # noqa: PLC0415
+        handlers,  # noqa: F401 - registers the handlers
+        metrics,
+    )
 
     try:
         settings = Settings.from_env()
@@ -83,15 +88,30 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings, verbose=args.verbose)
     namespaces = tuple(args.namespace) or settings.namespaces
-    asyncio.run(
-        kopf.operator(
-            standalone=True,
-            clusterwide=not namespaces,
-            namespaces=namespaces,
-            liveness_endpoint=args.liveness or None,
-            memo=kopf.Memo(settings=settings),
+    recorder = metrics.Metrics.for_process()
+    server: metrics.MetricsServer | None = None
+    if settings.metrics_port:
+        # Bound before the operator starts, so a port in use stops it at once, with the reason.
+        try:
+            server = recorder.serve(settings.metrics_port)
+        except OSError as error:
+            sys.stderr.write(
+                f"preshard run: cannot serve metrics on port {settings.metrics_port}: {error}\n"
+            )
+            return 2
+    try:
+        asyncio.run(
+            kopf.operator(
+                standalone=True,
+                clusterwide=not namespaces,
+                namespaces=namespaces,
+                liveness_endpoint=args.liveness or None,
+                memo=kopf.Memo(settings=settings, metrics=recorder),
+            )
         )
-    )
+    finally:
+        if server is not None:
+            server.close()
     return 0
 
 

@@ -25,7 +25,7 @@ from preshard import reasons
 from preshard.api import models
 from preshard.builders import target
 from preshard.builders.common import LABEL_MANAGED_BY, LABEL_SHARDEDMODEL, MANAGED_BY
-from preshard.controller import kube
+from preshard.controller import kube, metrics
 from preshard.controller.observe import (
     JobView,
     PodView,
@@ -171,7 +171,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     operator_settings: Settings = memo.get("settings") or Settings.from_env()
     memo.settings = operator_settings
     memo.api = kube.load_configuration()
-    memo.reconciler = Reconciler(kube.Kube(memo.api), operator_settings)
+    # `preshard run` passes the metrics it serves; without them the counts go nowhere.
+    recorder: metrics.Metrics = memo.get("metrics") or metrics.Metrics()
+    memo.reconciler = Reconciler(kube.Kube(memo.api), operator_settings, recorder)
     memo.wakeups = Wakeups()
 
 
@@ -356,6 +358,7 @@ def cleanup(
             )
             logger.warning(message)
             _post(body, [Event("Warning", reasons.CLEANUP_FAILED, message)])
+            reconciler.forget(namespace, name)
             return
         raise kopf.TemporaryError(str(pending), delay=CLEANUP_RETRY_SECONDS) from None
     except kube.ConflictError as error:

@@ -1,7 +1,9 @@
 """The service layer: parse a ShardedModel, plan, carry the plan out, record the status.
 
 Handlers call `Reconciler.reconcile` and `Reconciler.cleanup`; both are synchronous and run in
-kopf's thread pool. Every API call goes through `preshard.controller.kube`.
+kopf's thread pool. Every API call goes through `preshard.controller.kube`. What the metrics
+count is read here, from the plan, the API's answers and the status before and after a pass
+(`preshard.controller.metrics` only counts).
 """
 
 from __future__ import annotations
@@ -9,18 +11,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
-from preshard import reasons
+from preshard import conditions, reasons
 from preshard.api import models
 from preshard.api.models import InvalidSpecError, ShardedModelSpec, parse_spec
-from preshard.api.status import ShardedModelStatus
+from preshard.api.status import ShardedModelStatus, ShardSetStatus
 from preshard.builders import jobs, target
-from preshard.builders.common import Manifest, Owner, ShardSet, child_name
-from preshard.controller import kube
+from preshard.builders.common import LABEL_COMMAND, Manifest, Owner, ShardSet, child_name
+from preshard.controller import kube, metrics
 from preshard.controller.observe import JobView, TargetPodView
 from preshard.controller.plan import (
     DeploymentPatch,
@@ -31,6 +33,7 @@ from preshard.controller.plan import (
     plan,
     plan_invalid,
 )
+from preshard.outcome import Outcome
 from preshard.settings import Settings
 
 ANNOTATION_SKIP_CLEANUP: Final = "preshard.dev/skip-cleanup"
@@ -110,14 +113,26 @@ class _Written:
 class Reconciler:
     """Reconciles ShardedModels through one Kubernetes client."""
 
-    def __init__(self, client: kube.Kube, settings: Settings) -> None:
+    def __init__(
+        self, client: kube.Kube, settings: Settings, recorder: metrics.Metrics | None = None
+    ) -> None:
         self.kube = client
         self.settings = settings
+        self.metrics = recorder if recorder is not None else metrics.Metrics()
         self._written: dict[tuple[str, str], _Written] = {}
         self._recent = RecentWrites()
+        # Delete Jobs of a deletion whose result is counted already, by ShardedModel: deletion
+        # retries until every Job is done and reads the finished ones each time.
+        self._cleanup_counted: dict[tuple[str, str], set[str]] = {}
 
     def reconcile(self, body: Manifest, observed: Observed) -> Result:
-        """One pass for one ShardedModel: decide, act, record."""
+        """One pass for one ShardedModel: decide, act, record; every pass is counted and timed."""
+        with self.metrics.reconcile_pass() as counted:
+            return self._reconcile(body, observed, counted)
+
+    def _reconcile(
+        self, body: Manifest, observed: Observed, counted: metrics.ReconcilePass
+    ) -> Result:
         metadata = body.get("metadata") or {}
         namespace, name = str(metadata["namespace"]), str(metadata["name"])
         generation = int(metadata.get("generation") or 0)
@@ -126,8 +141,10 @@ class Reconciler:
         try:
             spec = parse_spec(body.get("spec"))
         except InvalidSpecError as error:
+            counted.error = reasons.INVALID_SPEC
             new_status = plan_invalid(status, generation, str(error), observed.now)
             changed = self._write_status(namespace, name, raw_status, new_status)
+            self._count_status(metadata, status, new_status, observed)
             events = [Event("Warning", reasons.INVALID_SPEC, str(error))] if changed else []
             return Result(events=events)
         resource = Resource(
@@ -140,6 +157,9 @@ class Reconciler:
         decided = plan(resource, observed, self.settings)
         requeue = self.execute(decided, namespace, object_log(namespace, name, resource.owner.uid))
         self._write_status(namespace, name, raw_status, decided.status)
+        # Counted once the status that records it is written: a pass that fails before that
+        # is repeated, and counts then.
+        self._count_status(metadata, status, decided.status, observed)
         if requeue is not None:
             decided.requeue_after = min(requeue, decided.requeue_after or requeue)
         return Result(events=decided.events, requeue_after=decided.requeue_after)
@@ -151,7 +171,28 @@ class Reconciler:
         job_views: Mapping[str, JobView],
         sets_used_elsewhere: frozenset[str],
     ) -> list[Event]:
-        """Undo what preshard did for a deleted ShardedModel; `CleanupPendingError` means wait."""
+        """Undo what preshard did for a deleted ShardedModel; `CleanupPendingError` means wait.
+        Once done, the ShardedModel is forgotten (`forget`)."""
+        metadata = body.get("metadata") or {}
+        namespace, name = str(metadata["namespace"]), str(metadata["name"])
+        events = self._cleanup(body, deployments, job_views, sets_used_elsewhere)
+        self.forget(namespace, name)
+        return events
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop what is kept about a ShardedModel that is gone: the status written last, what
+        its deletion counted, and its series in the metrics."""
+        self._written.pop((namespace, name), None)
+        self._cleanup_counted.pop((namespace, name), None)
+        self.metrics.forget(namespace, name)
+
+    def _cleanup(
+        self,
+        body: Manifest,
+        deployments: Mapping[str, Manifest],
+        job_views: Mapping[str, JobView],
+        sets_used_elsewhere: frozenset[str],
+    ) -> list[Event]:
         metadata = body.get("metadata") or {}
         namespace, name = str(metadata["namespace"]), str(metadata["name"])
         if (metadata.get("annotations") or {}).get(ANNOTATION_SKIP_CLEANUP) == "true":
@@ -185,6 +226,7 @@ class Reconciler:
             run = entry.delete_run + 1
             job_name = child_name(owner, shard_set, jobs.DELETE, run)
             view = job_views.get(job_name)
+            self._count_deletion_job((namespace, name), view)
             if view is None:
                 delete_job = jobs.build_delete_job(
                     jobs.JobInput(
@@ -192,7 +234,7 @@ class Reconciler:
                     )
                 )
                 try:
-                    self.kube.create_job(delete_job)
+                    self._create_deletion_job(delete_job)
                 except kube.NamespaceTerminatingError:
                     events.append(
                         Event(
@@ -218,6 +260,20 @@ class Reconciler:
         )
         return events
 
+    def _create_deletion_job(self, manifest: Manifest) -> None:
+        if self.kube.create_job(manifest):
+            self.metrics.job_started(jobs.DELETE)
+
+    def _count_deletion_job(self, key: tuple[str, str], view: JobView | None) -> None:
+        """Count a finished delete Job of a deletion once, though deletion reads it again on
+        every retry until all are done."""
+        if view is None or not view.finished:
+            return
+        counted = self._cleanup_counted.setdefault(key, set())
+        if view.name not in counted:
+            counted.add(view.name)
+            self.metrics.job_finished(view.command, view.outcome())
+
     def _restore_targets(
         self, namespace: str, name: str, deployments: Mapping[str, Manifest]
     ) -> list[Event]:
@@ -237,9 +293,12 @@ class Reconciler:
                     namespace, deployment_name, target.deployment_patch(current, restored)
                 )
             except kube.ConflictError as error:
+                self.metrics.deployment_patch(metrics.RESTORE, metrics.CONFLICT)
                 raise CleanupPendingError(str(error)) from None
             except kube.NotFoundError:
+                self.metrics.deployment_patch(metrics.RESTORE, metrics.NOT_FOUND)
                 continue
+            self.metrics.deployment_patch(metrics.RESTORE, metrics.APPLIED)
             events.append(
                 Event("Normal", reasons.RESTORED, f"Deployment {deployment_name} restored")
             )
@@ -266,6 +325,7 @@ class Reconciler:
                 break
             self._recent.remember(("job", namespace, job_name))
             if created:
+                self.metrics.job_started(_job_kind(manifest))
                 logger.info("created Job %s/%s", namespace, job_name)
         for patch in decided.patches:
             retry = self._patch(namespace, patch, logger)
@@ -285,19 +345,48 @@ class Reconciler:
             # still shows the old one. Its watch event wakes this resource again; the timer only
             # covers a lost event.
             return RECENT_WRITE_SECONDS
+        action = metrics.RESTORE if patch.restore else metrics.PATCH
         try:
             self.kube.patch_deployment(namespace, patch.name, patch.patch)
         except kube.ConflictError as error:
             # Someone else moved the Deployment on. Until the watch stream brings the new
             # version, a plan from this one would only be refused again.
             logger.info("%s", error)
+            self.metrics.deployment_patch(action, metrics.CONFLICT)
             self._recent.remember(written)
             return RECENT_WRITE_SECONDS
         except kube.NotFoundError as error:
             logger.info("%s", error)
+            self.metrics.deployment_patch(action, metrics.NOT_FOUND)
             return NOT_FOUND_RETRY_SECONDS
+        self.metrics.deployment_patch(action, metrics.APPLIED)
         self._recent.remember(written)
         return None
+
+    def _count_status(
+        self,
+        metadata: Manifest,
+        before: ShardedModelStatus,
+        after: ShardedModelStatus,
+        observed: Observed,
+    ) -> None:
+        """Count what a pass recorded: the shard sets by stage, the Jobs whose result it read,
+        and the first Ready."""
+        namespace, name = str(metadata["namespace"]), str(metadata["name"])
+        if metadata.get("deletionTimestamp"):
+            # Going: deletion forgets it, and a pass that ends after that must not bring it back.
+            self.metrics.forget(namespace, name)
+        else:
+            self.metrics.shard_sets(namespace, name, (e.stage for e in after.shard_sets))
+        for entry, result, view in finished_jobs(before, after, observed.jobs):
+            outcome = view.outcome()
+            self.metrics.job_finished(view.command, outcome)
+            if view.command == jobs.VERIFY:
+                self.metrics.verification(_check_of(entry), _verification_reason(outcome, result))
+        if first_ready(before, after):
+            created = _parse_time(metadata.get("creationTimestamp"))
+            if created is not None:
+                self.metrics.ready((observed.now - created).total_seconds())
 
     def _known_status(self, namespace: str, name: str, seen: Manifest) -> Manifest:
         # A status written a moment ago may not be back through the watch stream yet; planning
@@ -319,6 +408,86 @@ class Reconciler:
         self.kube.patch_status(namespace, name, after)
         self._written[(namespace, name)] = _Written(before=before, after=after)
         return True
+
+
+def finished_jobs(
+    before: ShardedModelStatus, after: ShardedModelStatus, job_views: Mapping[str, JobView]
+) -> Iterator[tuple[ShardSetStatus, ShardSetStatus | None, JobView]]:
+    """The finished Jobs whose result a pass read: named by a shard set before the pass, named
+    by none after it (the planner moves a set on from a Job once it reads the Job's result).
+    Each with the set's entry before and after (None when the set was dropped).
+
+    Once that status is written, the Job is named nowhere, so each Job is found once."""
+    still_named = {e.job for e in after.shard_sets if e.job is not None}
+    by_key = {e.artifact_key: e for e in after.shard_sets}
+    for entry in before.shard_sets:
+        if entry.job is None or entry.job in still_named:
+            continue
+        view = job_views.get(entry.job)
+        if view is not None and view.finished:
+            yield entry, by_key.get(entry.artifact_key), view
+
+
+def first_ready(before: ShardedModelStatus, after: ShardedModelStatus) -> bool:
+    """Whether a pass turned `Ready` True for the first time in the resource's life.
+
+    The status keeps no record of earlier Ready spells; the conditions' transition times tell.
+    The first pass sets every condition at once, and `lastTransitionTime` moves only when a
+    condition flips, so a `Ready` that has been False since then is the oldest condition. A
+    resource that was Ready and lost it has flipped `Ready` since: some condition that stayed
+    put (`Degraded`, `TargetsPatched`) is older.
+    """
+    new = conditions.find(after.conditions, conditions.READY)
+    if new is None or new.status != "True":
+        return False
+    old = conditions.find(before.conditions, conditions.READY)
+    if old is None:
+        return True
+    if old.status == "True":
+        return False
+    since = _parse_time(old.last_transition_time)
+    times = [_parse_time(c.last_transition_time) for c in before.conditions]
+    known = [t for t in times if t is not None]
+    return since is not None and len(known) == len(times) and since <= min(known)
+
+
+def _parse_time(text: object) -> datetime | None:
+    """An RFC 3339 time as Kubernetes writes it; None for anything else."""
+    if not isinstance(text, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return moment if moment.tzinfo is not None else None
+
+
+def _job_kind(manifest: Manifest) -> str:
+    """The kind of a Job the plan creates: its command label, else the kind in its name
+    (`<name>-<key>-<kind>-<run>`)."""
+    metadata = manifest.get("metadata") or {}
+    label = (metadata.get("labels") or {}).get(LABEL_COMMAND)
+    if label:
+        return str(label)
+    parts = str(metadata.get("name", "")).rsplit("-", 2)
+    return parts[-2] if len(parts) == 3 else metrics.UNKNOWN_KIND
+
+
+def _check_of(entry: ShardSetStatus) -> str:
+    """Which check a verify Job of a set in this stage was."""
+    if entry.stage == "Probing":
+        return metrics.PROBE
+    if entry.stage == "Verified":
+        return metrics.REVERIFY
+    return metrics.VERIFY
+
+
+def _verification_reason(outcome: Outcome, result: ShardSetStatus | None) -> str:
+    """What a verification found: the Job's reason, or the planner's when it refused a set the
+    Job found whole (a set of another TP size)."""
+    if outcome.ok and result is not None and result.stage == "Failed":
+        return result.reason
+    return outcome.reason
 
 
 def now_utc() -> datetime:
