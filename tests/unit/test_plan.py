@@ -73,6 +73,13 @@ def deployment(name: str = "vllm", args: list[str] | None = None) -> dict[str, A
     }
 
 
+# The line a patched target's message gives to the `--tensor-parallel-size 1` of `deployment()`.
+OVERRIDDEN = (
+    "\nchanged in the vLLM command line: replaced --tensor-parallel-size 1 with 2 "
+    "(the shard set's TP size)"
+)
+
+
 def progressing(status: str, reason: str) -> dict[str, Any]:
     """The Deployment controller's Progressing condition."""
     messages = {
@@ -703,14 +710,14 @@ def test_ready_waits_until_every_replica_runs_the_patched_template() -> None:
     assert target_of(world) == ("RollingOut", reasons.ROLLING_OUT, "in progress")
     assert world.condition(conditions.READY) == ("False", reasons.ROLLING_OUT)
     assert world.condition(conditions.TARGETS_PATCHED) == ("True", reasons.PATCHED)
-    assert (
+    assert [e for e in result.events if e.message.startswith("Deployment")] == [
+        Event("Warning", reasons.ARGS_OVERRIDDEN, f"Deployment vllm: {OVERRIDDEN[1:]}"),
         Event(
             "Normal",
             reasons.ROLLING_OUT,
-            f"Deployment vllm: rolling out the patched template that loads {uri}",
-        )
-        in result.events
-    )
+            f"Deployment vllm: rolling out the patched template that loads {uri}{OVERRIDDEN}",
+        ),
+    ]
 
     # The Deployment controller starts the rollout: the new pod is not available yet, and the
     # old ones still serve. Nothing changes in the status, so nothing is written.
@@ -754,7 +761,7 @@ def test_a_deployment_scaled_to_zero_is_ready_and_serves_nothing() -> None:
         "Patched",
         reasons.SCALED_TO_ZERO,
         "scaled to zero",
-        f"loads {uri}; scaled to zero replicas, it serves nothing",
+        f"loads {uri}; scaled to zero replicas, it serves nothing{OVERRIDDEN}",
     )
     assert world.condition(conditions.READY) == ("True", reasons.READY)
     assert result.events == [], "the rollout the patch event announced is no news"
@@ -775,7 +782,7 @@ def test_a_crash_looping_patched_pod_makes_the_target_unavailable() -> None:
     expected = (
         f"patched pods of {uri} fail: pod vllm-7c9b-bad container vllm: CrashLoopBackOff, "
         "exit code 1: RuntimeError: CUDA error: out of memory while loading "
-        "model-rank-001.tensors AWS_SECRET_ACCESS_KEY=<redacted>"
+        "model-rank-001.tensors AWS_SECRET_ACCESS_KEY=<redacted>" + OVERRIDDEN
     )
     (state,) = world.status.targets
     assert (state.state, state.reason, state.message) == (
@@ -797,7 +804,9 @@ def test_a_crash_looping_patched_pod_makes_the_target_unavailable() -> None:
     world.roll_out()
     result = world.step()
     assert target_of(world) == ("Patched", reasons.PATCHED, "complete")
-    assert result.events == [Event("Normal", reasons.PATCHED, f"Deployment vllm: loads {uri}")]
+    assert result.events == [
+        Event("Normal", reasons.PATCHED, f"Deployment vllm: loads {uri}{OVERRIDDEN}")
+    ]
 
 
 def test_a_crashing_pod_of_another_template_is_not_the_patched_one() -> None:
@@ -825,7 +834,7 @@ def test_a_rollout_past_its_deadline_keeps_the_patch_by_default() -> None:
         reasons.TARGET_UNAVAILABLE,
         "failed",
         f"the rollout of {uri} exceeded its progress deadline "
-        '(ReplicaSet "vllm-7c9b" has timed out progressing.)',
+        f'(ReplicaSet "vllm-7c9b" has timed out progressing.){OVERRIDDEN}',
     )
     assert result.patches == []
     assert world.condition(conditions.READY) == ("False", reasons.TARGET_UNAVAILABLE)

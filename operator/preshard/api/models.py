@@ -503,6 +503,14 @@ class Target(ApiModel):
     the spec changes or the `preshard.dev/retry` annotation gets a new value.
     """
 
+    allow_controller_owned: bool = False
+    """Patch a Deployment that another controller owns (an ownerReference with `controller: true`:
+    a KServe InferenceService, a LeaderWorkerSet, another operator). Such a Deployment is refused
+    by default (TargetManagedByController): its controller puts its own pod template back,
+    undoing the patch, and preshard would patch it again, restarting GPU pods each time. Set it
+    only when that controller leaves the pod template alone.
+    """
+
     @model_validator(mode="after")
     def _one_way(self) -> Target:
         if (self.name is None) == (self.selector is None):

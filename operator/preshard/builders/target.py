@@ -4,8 +4,13 @@ preshard does not own these Deployments. It changes only what loading the shards
 vLLM container's command line (model directory, TP size, load format, flat tensorizer JSON),
 the count of the GPU resource it already asks for, the S3 environment (credentials by Secret
 reference), an init container that fetches the config and tokenizer files into an `emptyDir`,
-and the encryption key mount. The original values are saved in an annotation so deletion
-restores them. `replicas` is never touched.
+and the encryption key mount. `replicas` is never touched. What the user's fields were and
+what preshard made of them are saved in two annotations, so that restoring reverts only
+preshard's changes: a field (a flag, an env var, a resource, a mount) still as preshard set it
+gets its original value back, and what the user changed meanwhile stays. Every value of the
+user's that the patch replaces is reported (`PatchedDeployment.overrides`). A Deployment that
+another controller owns is refused unless the target allows it: that controller would put its
+own template back.
 
 Whether a Deployment needs a write is decided on the fields preshard manages only
 (`managed_view`): server-side defaults on the rest never cause a patch loop.
@@ -17,8 +22,9 @@ import copy
 import hashlib
 import json
 import re
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from preshard import reasons
 from preshard.api import models
@@ -36,9 +42,11 @@ from preshard.builders.common import (
     s3_env,
 )
 from preshard.builders.vllm_args import (
+    ContainerCommand,
     TensorizerLoad,
     UnsupportedCommandError,
     is_vllm_command,
+    restore_vllm_command,
     rewrite_vllm_command,
 )
 from preshard.layout import tensorizer_uri
@@ -46,6 +54,8 @@ from preshard.settings import Settings
 
 ANNOTATION_OWNER: Final = "preshard.dev/owner"
 ANNOTATION_ORIGINAL: Final = "preshard.dev/original"
+# The same fields as preshard last wrote them: a restore reverts only what is still like this.
+ANNOTATION_PATCHED: Final = "preshard.dev/patched"
 ANNOTATION_INPUT_HASH: Final = "preshard.dev/input-hash"
 ANNOTATION_ARTIFACT_KEY: Final = "preshard.dev/artifact-key"
 # The set loaded before the last switch: old pods still read it until the rollout completes.
@@ -55,6 +65,7 @@ ANNOTATION_IMAGE: Final = "preshard.dev/container-image"
 OWNED_ANNOTATIONS: Final = (
     ANNOTATION_OWNER,
     ANNOTATION_ORIGINAL,
+    ANNOTATION_PATCHED,
     ANNOTATION_INPUT_HASH,
     ANNOTATION_ARTIFACT_KEY,
     ANNOTATION_PREVIOUS_KEY,
@@ -62,6 +73,8 @@ OWNED_ANNOTATIONS: Final = (
     ANNOTATION_IMAGE,
 )
 
+# The vLLM container's fields a patch changes, recorded before and after it.
+CONTAINER_FIELDS: Final = ("command", "args", "env", "resources", "volumeMounts")
 INIT_CONTAINER: Final = "preshard-fetch-config"
 MODEL_VOLUME: Final = "preshard-model"
 TENSORIZER_VOLUME: Final = "preshard-tensorizer"
@@ -104,6 +117,8 @@ class TargetInput:
     shard_set: ShardSet
     settings: Settings
     container: str | None
+    allow_controller_owned: bool = False
+    """Patch it even when another controller owns the Deployment (`allowControllerOwned`)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,24 @@ class Refusal:
 
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class PatchedDeployment:
+    """The Deployment as it must be to load the shard set, and what of the user's it changes."""
+
+    deployment: Manifest
+    overrides: tuple[str, ...]
+    """Each value the user set in the vLLM command line that the patch replaces, in words."""
+
+
+@dataclass(frozen=True)
+class RestoredDeployment:
+    """A patched Deployment with preshard's changes undone."""
+
+    deployment: Manifest
+    kept: tuple[str, ...]
+    """What preshard had set that the user changed since and that is kept as it is."""
 
 
 def annotations_of(deployment: Manifest) -> dict[str, str]:
@@ -124,6 +157,18 @@ def owner_of(deployment: Manifest) -> str | None:
     """The ShardedModel that patched this Deployment, if any."""
     owner: str | None = annotations_of(deployment).get(ANNOTATION_OWNER)
     return owner
+
+
+def controller_of(deployment: Manifest) -> str | None:
+    """The kind and name of the controller that owns the Deployment, if another one does.
+
+    A controller (a KServe InferenceService, a LeaderWorkerSet, any operator) writes the pod
+    template it wants back on its next sync, undoing a patch, and the two would keep fighting.
+    """
+    for reference in (deployment.get("metadata") or {}).get("ownerReferences") or []:
+        if reference.get("controller") is True:
+            return f"{reference.get('kind', '?')} {reference.get('name', '?')}"
+    return None
 
 
 def applied_artifact_key(deployment: Manifest) -> str | None:
@@ -221,16 +266,45 @@ def tensorizer_load(target: TargetInput) -> TensorizerLoad:
         s3_endpoint=endpoint if endpoint.startswith("https://") else None,
         encryption_keyfile=ENCRYPTION_KEYFILE if spec.encryption else None,
         verify_hash=spec.loading.verify_hash,
+        dtype=spec.serialization.dtype,
+        quantization=next(
+            (
+                value
+                for name, value in spec.serialization.extra_engine_args.items()
+                if name.replace("-", "_") == "quantization"
+            ),
+            None,
+        ),
     )
 
 
 def build_patched_deployment(deployment: Manifest, target: TargetInput) -> Manifest | Refusal:
     """The Deployment as it must be to load the shard set, or why it cannot be."""
+    patched = patch_deployment(deployment, target)
+    return patched if isinstance(patched, Refusal) else patched.deployment
+
+
+def patch_deployment(deployment: Manifest, target: TargetInput) -> PatchedDeployment | Refusal:
+    """The Deployment as it must be to load the shard set and what that overrides of the
+    user's, or why it cannot be patched.
+
+    The overrides are worked out from the user's own Deployment (the current one with
+    preshard's changes undone), so they stay the same on every pass, not only on the first.
+    """
     current_owner = owner_of(deployment)
     if current_owner is not None and current_owner != target.owner.name:
         return Refusal(
             reasons.TARGET_CONFLICT,
             f"Deployment {_name(deployment)} is already managed by ShardedModel {current_owner}",
+        )
+    controller = controller_of(deployment)
+    if controller is not None and not target.allow_controller_owned:
+        return Refusal(
+            reasons.TARGET_MANAGED_BY_CONTROLLER,
+            f"Deployment {_name(deployment)} is controlled by {controller} (its ownerReference "
+            "with controller: true), which puts its own pod template back and would undo the "
+            "patch: point that resource at the shards instead, or set allowControllerOwned: "
+            "true on the target to patch the Deployment anyway",
         )
     desired = copy.deepcopy(deployment)
     pod_spec: Manifest = (
@@ -240,15 +314,17 @@ def build_patched_deployment(deployment: Manifest, target: TargetInput) -> Manif
     if isinstance(chosen, Refusal):
         return chosen
     annotations = annotations_of(deployment)
-    original = (
-        json.loads(annotations[ANNOTATION_ORIGINAL])
-        if ANNOTATION_ORIGINAL in annotations
-        else snapshot_original(pod_spec, chosen)
-    )
+    users = chosen
+    if ANNOTATION_ORIGINAL in annotations:
+        own, _ = _unpatched(deployment, keep_edits=False)
+        users = _container_named(own, chosen.get("name")) or chosen
+    original = snapshot_original(pod_spec, users)
     load = tensorizer_load(target)
+    image = str(chosen.get("image") or "")
     try:
+        intended = rewrite_vllm_command(users.get("command"), users.get("args"), load, image=image)
         rewritten = rewrite_vllm_command(
-            chosen.get("command"), chosen.get("args"), load, image=str(chosen.get("image") or "")
+            chosen.get("command"), chosen.get("args"), load, image=image
         )
     except UnsupportedCommandError as error:
         return Refusal(error.reason, f"container {chosen.get('name')}: {error.message}")
@@ -268,41 +344,59 @@ def build_patched_deployment(deployment: Manifest, target: TargetInput) -> Manif
         {
             ANNOTATION_OWNER: target.owner.name,
             ANNOTATION_ORIGINAL: _compact(original),
+            ANNOTATION_PATCHED: _compact(snapshot_original(pod_spec, chosen)),
             ANNOTATION_ARTIFACT_KEY: target.shard_set.artifact_key,
             ANNOTATION_TP: str(target.shard_set.tensor_parallel_size),
             ANNOTATION_IMAGE: str(chosen.get("image", "")),
             ANNOTATION_INPUT_HASH: input_hash(original, target, load),
         }
     )
-    return desired
+    return PatchedDeployment(desired, intended.overrides)
 
 
 def build_restored_deployment(deployment: Manifest) -> Manifest | None:
-    """The Deployment as it was before preshard patched it; None when it was never patched."""
-    annotations = annotations_of(deployment)
-    if ANNOTATION_ORIGINAL not in annotations:
+    """The Deployment with preshard's changes undone; None when it was never patched."""
+    restored = restore_deployment(deployment)
+    return None if restored is None else restored.deployment
+
+
+def restore_deployment(deployment: Manifest) -> RestoredDeployment | None:
+    """The Deployment with preshard's changes undone, and what of the user's edits to fields
+    preshard had set is kept; None when it was never patched.
+
+    Each field preshard changed gets its original value back where it is still as preshard
+    set it; what the user added meanwhile (flags, env vars, resources, mounts, containers,
+    volumes) stays, and a field of preshard's that the user changed since is kept as the user
+    left it and named in `kept`. preshard's init container, volumes, mounts and annotations go.
+    """
+    if ANNOTATION_ORIGINAL not in annotations_of(deployment):
         return None
-    original = json.loads(annotations[ANNOTATION_ORIGINAL])
-    restored = copy.deepcopy(deployment)
-    pod_spec: Manifest = restored["spec"]["template"]["spec"]
-    for container in pod_spec.get("containers") or []:
-        if container.get("name") == original["container"]:
-            for field in ("command", "args", "env", "resources", "volumeMounts"):
-                _set_or_drop(container, field, original.get(field))
-    init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != INIT_CONTAINER]
-    _set_or_drop(pod_spec, "initContainers", init or None)
-    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in OWNED_VOLUMES]
-    _set_or_drop(pod_spec, "volumes", volumes or None)
-    restored_annotations = restored["metadata"]["annotations"]
+    restored, kept = _unpatched(deployment, keep_edits=True)
+    restored_annotations = (restored.get("metadata") or {}).get("annotations") or {}
     for key in OWNED_ANNOTATIONS:
         restored_annotations.pop(key, None)
-    return restored
+    return RestoredDeployment(restored, kept)
+
+
+def restore_message(name: str, kept: tuple[str, ...]) -> str:
+    """The restore event's message: what was restored, and what of the user's was kept."""
+    if not kept:
+        return f"Deployment {name} restored"
+    return (
+        f"Deployment {name} restored; kept your own changes to what preshard had set: "
+        + ", ".join(kept)
+    )
+
+
+def overrides_line(overrides: tuple[str, ...]) -> str:
+    """The line a target's status message gives to what the patch changed of the user's."""
+    return "changed in the vLLM command line: " + "; ".join(overrides)
 
 
 def snapshot_original(pod_spec: Manifest, container: Manifest) -> Manifest:
     """What restoring needs: the vLLM container's fields that patching changes."""
     snapshot: Manifest = {"container": container.get("name")}
-    for field in ("command", "args", "env", "resources", "volumeMounts"):
+    for field in CONTAINER_FIELDS:
         if field in container:
             snapshot[field] = copy.deepcopy(container[field])
     return snapshot
@@ -428,6 +522,7 @@ def _apply_container(container: Manifest, target: TargetInput, gpu: str) -> None
     # without either it would fall back to its own default store, not the region's AWS one.
     env.append({"name": "AWS_ENDPOINT_URL_S3", "value": s3_endpoint_url(spec.storage)})
     env = _with_tensorizer_on_path(env, target.settings.tensorizer_dir)
+    env = _in_current_order(env, container.get("env"), lambda e: e.get("name"))
     _set_or_drop(container, "env", env or None)
     mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in OWNED_VOLUMES]
     mounts.append({"name": MODEL_VOLUME, "mountPath": target.settings.model_dir, "readOnly": True})
@@ -436,7 +531,9 @@ def _apply_container(container: Manifest, target: TargetInput, gpu: str) -> None
     )
     if spec.encryption is not None:
         mounts.append(encryption_mount())
-    container["volumeMounts"] = mounts
+    container["volumeMounts"] = _in_current_order(
+        mounts, container.get("volumeMounts"), lambda m: (m.get("name"), m.get("mountPath"))
+    )
 
 
 def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
@@ -469,13 +566,32 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
     }
     _set_or_drop(init_container, "env", s3_env(spec.storage) or None)
     init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != INIT_CONTAINER]
-    pod_spec["initContainers"] = [*init, init_container]
+    pod_spec["initContainers"] = _in_current_order(
+        [*init, init_container], pod_spec.get("initContainers"), lambda c: c.get("name")
+    )
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in OWNED_VOLUMES]
     volumes.append({"name": MODEL_VOLUME, "emptyDir": {}})
     volumes.append({"name": TENSORIZER_VOLUME, "emptyDir": {}})
     if spec.encryption is not None:
         volumes.append(encryption_volume(spec.encryption))
-    pod_spec["volumes"] = volumes
+    pod_spec["volumes"] = _in_current_order(
+        volumes, pod_spec.get("volumes"), lambda v: v.get("name")
+    )
+
+
+def _in_current_order(
+    entries: list[Manifest], current: list[Manifest] | None, key: Callable[[Manifest], Hashable]
+) -> list[Manifest]:
+    """`entries` in the order the same entries have now, when it holds exactly those.
+
+    A patched list is the user's entries with preshard's after them; once the user adds one
+    after preshard's, the next patch would move it and restart every pod for nothing.
+    """
+    keys = [key(entry) for entry in entries]
+    position = {key(entry): index for index, entry in enumerate(current or [])}
+    if len(set(keys)) != len(keys) or set(keys) != set(position) or len(position) != len(keys):
+        return entries
+    return sorted(entries, key=lambda entry: position[key(entry)])
 
 
 def _with_tensorizer_on_path(env: list[Manifest], directory: str) -> list[Manifest]:
@@ -495,6 +611,246 @@ def _with_tensorizer_on_path(env: list[Manifest], directory: str) -> list[Manife
             kept.append(entry)
     value = f"{directory}:{user_path}" if user_path else directory
     return [*kept, {"name": PYTHONPATH_ENV, "value": value}]
+
+
+def _unpatched(deployment: Manifest, *, keep_edits: bool) -> tuple[Manifest, tuple[str, ...]]:
+    """A copy of the Deployment with preshard's changes undone, and what of preshard's the
+    user changed and was kept (only with `keep_edits`; without, those get their original
+    values, which is the user's own Deployment while preshard re-asserts its fields)."""
+    annotations = annotations_of(deployment)
+    original = _recorded(annotations, ANNOTATION_ORIGINAL) or {}
+    patched = _recorded(annotations, ANNOTATION_PATCHED)
+    restored = copy.deepcopy(deployment)
+    pod_spec: Manifest = (restored.get("spec") or {}).get("template", {}).get("spec") or {}
+    kept: list[str] = []
+    name = original.get("container")
+    container = _container_named(restored, name)
+    if container is not None and (patched is None or patched.get("container") != name):
+        # Patched by a version that recorded only the original: put it back as it was.
+        for field in CONTAINER_FIELDS:
+            _set_or_drop(container, field, original.get(field))
+    elif container is not None and patched is not None:
+        kept = _unpatch_container(container, original, patched, keep_edits=keep_edits)
+    if "initContainers" in pod_spec:
+        init = [c for c in pod_spec["initContainers"] or [] if c.get("name") != INIT_CONTAINER]
+        _set_or_drop(pod_spec, "initContainers", init or None)
+    if "volumes" in pod_spec:
+        volumes = [v for v in pod_spec["volumes"] or [] if v.get("name") not in OWNED_VOLUMES]
+        _set_or_drop(pod_spec, "volumes", volumes or None)
+    return restored, tuple(kept)
+
+
+def _recorded(annotations: dict[str, str], key: str) -> Manifest | None:
+    """A JSON annotation preshard wrote; None when it is missing or was mangled."""
+    try:
+        value = json.loads(annotations[key])
+    except (KeyError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _container_named(deployment: Manifest, name: object) -> Manifest | None:
+    pod_spec: Manifest = (deployment.get("spec") or {}).get("template", {}).get("spec") or {}
+    return next((c for c in pod_spec.get("containers") or [] if c.get("name") == name), None)
+
+
+def _unpatch_container(
+    container: Manifest, original: Manifest, patched: Manifest, *, keep_edits: bool
+) -> list[str]:
+    """Undo the patch of the vLLM container field by field; what of preshard's is kept."""
+    restored = restore_vllm_command(
+        ContainerCommand(container.get("command"), container.get("args")),
+        ContainerCommand(patched.get("command"), patched.get("args")),
+        ContainerCommand(original.get("command"), original.get("args")),
+        keep_edits=keep_edits,
+    )
+    _set_or_drop(container, "command", restored.command)
+    _set_or_drop(container, "args", restored.args)
+    kept = list(restored.kept)
+
+    directory = _bundle_directory(patched.get("env"))
+    env, edited = _merge_by_key(
+        original.get("env"),
+        _without_bundle(patched.get("env"), directory),
+        _without_bundle(container.get("env"), directory),
+        lambda entry: entry.get("name"),
+        keep_edits=keep_edits,
+        unchanged=_normal(container.get("env")) == _normal(patched.get("env")),
+    )
+    _set_or_drop(container, "env", env)
+    kept += [f"env {name}" for name in edited]
+
+    resources, edited_resources = _merge_resources(
+        original.get("resources"),
+        patched.get("resources"),
+        container.get("resources"),
+        keep_edits=keep_edits,
+    )
+    _set_or_drop(container, "resources", resources)
+    kept += edited_resources
+
+    mounts, edited = _merge_by_key(
+        original.get("volumeMounts"),
+        _without_owned_mounts(patched.get("volumeMounts")),
+        _without_owned_mounts(container.get("volumeMounts")),
+        lambda mount: (mount.get("name"), mount.get("mountPath")),
+        keep_edits=keep_edits,
+        unchanged=_normal(container.get("volumeMounts")) == _normal(patched.get("volumeMounts")),
+    )
+    _set_or_drop(container, "volumeMounts", mounts)
+    kept += [f"volumeMount {k[1] if isinstance(k, tuple) else k}" for k in edited]
+    return kept
+
+
+def _bundle_directory(env: list[Manifest] | None) -> str | None:
+    """The bundled tensorizer's directory: the first entry preshard put on `PYTHONPATH`."""
+    for entry in env or []:
+        if entry.get("name") == PYTHONPATH_ENV and "value" in entry:
+            return str(entry["value"]).split(":", 1)[0]
+    return None
+
+
+def _without_bundle(env: list[Manifest] | None, directory: str | None) -> list[Manifest] | None:
+    """`env` with the bundled tensorizer's directory taken off `PYTHONPATH` (an entry left
+    empty goes): what remains of it is the user's own."""
+    if env is None or directory is None:
+        return env
+    result: list[Manifest] = []
+    for entry in env:
+        if entry.get("name") == PYTHONPATH_ENV and "valueFrom" not in entry:
+            parts = [p for p in str(entry.get("value", "")).split(":") if p and p != directory]
+            if not parts:
+                continue
+            entry = {**entry, "value": ":".join(parts)}  # noqa: PLW2901 - a changed copy
+        result.append(entry)
+    return result
+
+
+def _without_owned_mounts(mounts: list[Manifest] | None) -> list[Manifest] | None:
+    if mounts is None:
+        return None
+    return [m for m in mounts if m.get("name") not in OWNED_VOLUMES]
+
+
+def _merge_resources(
+    original: Manifest | None,
+    patched: Manifest | None,
+    current: Manifest | None,
+    *,
+    keep_edits: bool,
+) -> tuple[Manifest | None, list[str]]:
+    """The container's resources restored resource by resource, in limits and requests."""
+    if _normal(current) == _normal(patched):
+        return original, []
+    result: Manifest = {}
+    kept: list[str] = []
+    sections = dict.fromkeys([*(original or {}), *(current or {}), *(patched or {})])
+    for section in sections:
+        values = [(part or {}).get(section) for part in (original, patched, current)]
+        if all(value is None or isinstance(value, dict) for value in values):
+            before, set_, now = (None if v is None else list(v.items()) for v in values)
+            merged, edited = _merge_by_key(
+                before,
+                set_,
+                now,
+                lambda item: item[0],
+                keep_edits=keep_edits,
+                unchanged=_normal(values[2]) == _normal(values[1]),
+            )
+            kept += [f"resources.{section} {name}" for name in edited]
+            if merged:
+                result[section] = dict(merged)
+        else:
+            value, edited_section = _pick(*values, keep_edits=keep_edits)
+            kept += [f"resources.{section}"] if edited_section else []
+            if value is not _MISSING and value is not None:
+                result[section] = value
+    return result or (original if original == {} else None), kept
+
+
+_Entry = TypeVar("_Entry")
+_MISSING: Final = object()
+
+
+def _merge_by_key(
+    original: list[_Entry] | None,
+    patched: list[_Entry] | None,
+    current: list[_Entry] | None,
+    key: Callable[[_Entry], Hashable],
+    *,
+    keep_edits: bool,
+    unchanged: bool,
+) -> tuple[list[_Entry] | None, list[Any]]:
+    """A list field (env, mounts, resources) restored entry by entry, keyed by `key`.
+
+    An entry still as preshard set it gets its original value back (or goes, if preshard
+    added it); an entry the user added or changed stays, where the user put it. Entries keep
+    the original order, the user's new ones follow the entry they follow in the current list.
+    Returns the list (None when empty) and the keys of preshard's entries the user changed
+    that are kept. `unchanged`: the whole field is as preshard wrote it.
+    """
+    if unchanged:
+        return original, []
+    lists = [list(entries or []) for entries in (original, patched, current)]
+    keyed = [[key(entry) for entry in entries] for entries in lists]
+    if any(len(set(keys)) != len(keys) for keys in keyed):
+        # Several entries with one key: no entry-by-entry answer, so the field as a whole.
+        value, edited = _pick(original, patched, current, keep_edits=keep_edits)
+        return (None if value is _MISSING else value), (["(all)"] if edited else [])
+    before, set_, now = (dict(zip(k, e, strict=True)) for k, e in zip(keyed, lists, strict=True))
+    kept: list[Any] = []
+
+    def value_of(entry_key: Hashable) -> Any:
+        value, edited = _pick(
+            before.get(entry_key, _MISSING),
+            set_.get(entry_key, _MISSING),
+            now.get(entry_key, _MISSING),
+            keep_edits=keep_edits,
+        )
+        if edited:
+            kept.append(entry_key)
+        return value
+
+    result: list[tuple[Hashable, Any]] = []
+    for entry_key in keyed[0]:
+        value = value_of(entry_key)
+        if value is not _MISSING:
+            result.append((entry_key, value))
+    for index, entry_key in enumerate(keyed[2]):
+        if entry_key in before:
+            continue
+        value = value_of(entry_key)
+        if value is _MISSING:
+            continue
+        placed = [k for k, _ in result]
+        after = next((k for k in reversed(keyed[2][:index]) if k in placed), None)
+        result.insert(0 if after is None else placed.index(after) + 1, (entry_key, value))
+    for entry_key in keyed[1]:
+        if entry_key not in before and entry_key not in now:
+            value_of(entry_key)  # preshard's entry, removed by the user: noted if kept so
+    return [value for _, value in result] or None, kept
+
+
+def _pick(before: Any, set_: Any, now: Any, *, keep_edits: bool) -> tuple[Any, bool]:
+    """One value restored: the original where it is still as preshard set it, else the
+    user's (a change of one of preshard's values only with `keep_edits`, then noted)."""
+    if _normal(now) == _normal(set_):
+        return before, False
+    if _normal(set_) == _normal(before):
+        return now, False
+    if keep_edits:
+        return now, True
+    return before, False
+
+
+def _normal(value: Any) -> Any:
+    """A value as the API server compares it: empty lists and maps count as absent."""
+    if isinstance(value, dict):
+        kept = {k: _normal(v) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v not in (None, [], {})} or None
+    if isinstance(value, list):
+        return [_normal(v) for v in value] or None
+    return None if value is _MISSING else value
 
 
 def _name(deployment: Manifest) -> str:

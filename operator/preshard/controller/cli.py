@@ -143,7 +143,6 @@ def _render(args: argparse.Namespace) -> int:
         sys.stderr.write(f"preshard render: {error}\n")
         return 2
     sharded = [d for d in documents if d.get("kind") == models.KIND]
-    deployments = [d for d in documents if d.get("kind") == "Deployment"]
     if not sharded:
         sys.stderr.write("preshard render: no ShardedModel in the input\n")
         return 2
@@ -168,24 +167,41 @@ def _render(args: argparse.Namespace) -> int:
             for tp in spec.tensor_parallel_sizes
         }
         for shard_set in sets.values():
+            tp = shard_set.tensor_parallel_size
+            if tp > settings.max_gpus_per_job:
+                # The operator fails this set without a Job, and patches nothing to load it.
+                sys.stderr.write(
+                    f"ShardedModel {name}: {reasons.TP_EXCEEDS_GPUS}: tensor-parallel size {tp} "
+                    "needs more GPUs than one serialization Job may request "
+                    f"({settings.max_gpus_per_job})\n"
+                )
+                refused = True
+                continue
             job = jobs.JobInput(
                 owner=owner, spec=spec, shard_set=shard_set, settings=settings, run=1
             )
             output += [jobs.build_verify_job(job), jobs.build_serialize_job(job)]
         in_namespace = [
             d
-            for d in deployments
+            for d in documents
             if (d.get("metadata") or {}).get("namespace", namespace) == namespace
         ]
+        for problem in _missing_targets(spec, in_namespace):
+            sys.stderr.write(f"ShardedModel {name}: {reasons.TARGET_NOT_FOUND}: {problem}\n")
+            refused = True
         for spec_target, deployment in _matches(spec, in_namespace):
-            patched = target.build_patched_deployment(
+            shard_set = sets[spec.target_tp(spec_target)]
+            if shard_set.tensor_parallel_size > settings.max_gpus_per_job:
+                continue
+            patched = target.patch_deployment(
                 deployment,
                 target.TargetInput(
                     owner=owner,
                     spec=spec,
-                    shard_set=sets[spec.target_tp(spec_target)],
+                    shard_set=shard_set,
                     settings=settings,
                     container=spec_target.container,
+                    allow_controller_owned=spec_target.allow_controller_owned,
                 ),
             )
             deployment_name = (deployment.get("metadata") or {}).get("name")
@@ -194,23 +210,56 @@ def _render(args: argparse.Namespace) -> int:
                     f"Deployment {deployment_name}: {patched.reason}: {patched.message}\n"
                 )
                 refused = True
-            else:
-                output.append(patched)
+                continue
+            if patched.overrides:
+                sys.stderr.write(
+                    f"Deployment {deployment_name}: {reasons.ARGS_OVERRIDDEN}: "
+                    f"{target.overrides_line(patched.overrides)}\n"
+                )
+            output.append(patched.deployment)
     sys.stdout.write(yaml.safe_dump_all(output, sort_keys=False, width=100))
     return 1 if refused else 0
 
 
 def _matches(
-    spec: models.ShardedModelSpec, deployments: list[Manifest]
+    spec: models.ShardedModelSpec, documents: list[Manifest]
 ) -> Iterator[tuple[models.Target, Manifest]]:
     for spec_target in spec.targets:
-        for deployment in deployments:
-            metadata = deployment.get("metadata") or {}
-            if (spec_target.name is not None and metadata.get("name") == spec_target.name) or (
-                spec_target.selector is not None
-                and spec_target.selector.matches(metadata.get("labels") or {})
-            ):
-                yield spec_target, deployment
+        for document in documents:
+            if document.get("kind") == "Deployment" and _selects(spec_target, document):
+                yield spec_target, document
+
+
+def _missing_targets(spec: models.ShardedModelSpec, documents: list[Manifest]) -> list[str]:
+    """Why each target that matches no Deployment in the input is not found, as the operator
+    would find it: it looks at Deployments only, so a StatefulSet of that name is no target."""
+    problems: list[str] = []
+    for spec_target in spec.targets:
+        if any(t is spec_target for t, _ in _matches(spec, documents)):
+            continue
+        others = [
+            f"{d.get('kind')} {(d.get('metadata') or {}).get('name')}"
+            for d in documents
+            if d.get("kind") not in ("Deployment", models.KIND) and _selects(spec_target, d)
+        ]
+        problems.append(
+            f"{spec_target.label} not found in the input"
+            + (
+                f": {', '.join(others)} is not a Deployment, and preshard patches Deployments only"
+                if others
+                else ""
+            )
+        )
+    return problems
+
+
+def _selects(spec_target: models.Target, document: Manifest) -> bool:
+    metadata = document.get("metadata") or {}
+    if spec_target.name is not None:
+        return bool(metadata.get("name") == spec_target.name)
+    return spec_target.selector is not None and spec_target.selector.matches(
+        metadata.get("labels") or {}
+    )
 
 
 def _load(path: Path) -> list[dict[str, Any]]:

@@ -85,6 +85,8 @@ class DeploymentPatch:
     """The Deployment's uid and generation the patch was planned from (its `test` checks the
     generation): a second patch from the same pair means the index has not caught up yet."""
     restore: bool = False
+    kept: tuple[str, ...] = ()
+    """A restore's note of preshard's fields the user changed since, kept as they are."""
 
 
 @dataclass
@@ -615,17 +617,36 @@ class _Planner:
             shard_set=serving,
             settings=self.settings,
             container=spec_target.container,
+            allow_controller_owned=spec_target.allow_controller_owned,
         )
-        desired = target.build_patched_deployment(deployment, target_input)
-        if isinstance(desired, target.Refusal):
+        patched = target.patch_deployment(deployment, target_input)
+        if isinstance(patched, target.Refusal):
             return base.model_copy(
                 update={
                     "artifact_key": applied,
                     "state": "Refused",
-                    "reason": desired.reason,
-                    "message": desired.message,
+                    "reason": patched.reason,
+                    "message": patched.message,
                 }
             )
+        status = self._patched_target(
+            name, spec_target, deployment, patched.deployment, base, serving, wanted
+        )
+        return self._with_overrides(status, patched.overrides)
+
+    def _patched_target(
+        self,
+        name: str,
+        spec_target: models.Target,
+        deployment: Manifest,
+        desired: Manifest,
+        base: TargetStatus,
+        serving: ShardSet,
+        wanted: ShardSet,
+    ) -> TargetStatus:
+        """The state of a target its set can be loaded by, and the patch it needs."""
+        tp = wanted.tensor_parallel_size
+        owner = target.owner_of(deployment)
         container = target.choose_container(
             desired["spec"]["template"]["spec"], spec_target.container
         )
@@ -683,6 +704,24 @@ class _Planner:
                 }
             )
         return self._rollout_state(name, spec_target, deployment, base, serving, rollout)
+
+    def _with_overrides(self, status: TargetStatus, overrides: tuple[str, ...]) -> TargetStatus:
+        """The status with a line on what the patch changed of the user's command line, and a
+        Warning event when that line is new: nothing of theirs is replaced without a word."""
+        if not overrides or status.state == "RolledBack":
+            return status
+        line = target.overrides_line(overrides)
+        line = line if len(line) <= MESSAGE_LIMIT // 2 else line[: MESSAGE_LIMIT // 2 - 3] + "..."
+        previous = next((t for t in self.resource.status.targets if t.name == status.name), None)
+        if previous is None or line not in previous.message:
+            self.plan.events.append(
+                Event("Warning", reasons.ARGS_OVERRIDDEN, f"Deployment {status.name}: {line}")
+            )
+        room = MESSAGE_LIMIT - len(line) - 1
+        message = status.message if len(status.message) <= room else status.message[: room - 3]
+        if message != status.message:
+            message += "..."
+        return status.model_copy(update={"message": f"{message}\n{line}"})
 
     def _rollout_state(
         self,
@@ -799,15 +838,16 @@ class _Planner:
             self.in_use.add(previous)
 
     def _restore(self, name: str, deployment: Manifest) -> None:
-        restored = target.build_restored_deployment(deployment)
+        restored = target.restore_deployment(deployment)
         if restored is None:
             return
         self.plan.patches.append(
             DeploymentPatch(
                 name=name,
-                patch=target.deployment_patch(deployment, restored),
+                patch=target.deployment_patch(deployment, restored.deployment),
                 planned_from=target.identity_of(deployment),
                 restore=True,
+                kept=restored.kept,
             )
         )
 
@@ -953,7 +993,11 @@ class _Planner:
             # A patch shows as its target's transition; a restore has no target left to show.
             if patch.restore:
                 self.plan.events.append(
-                    Event("Normal", reasons.RESTORED, f"Deployment {patch.name} restored")
+                    Event(
+                        "Warning" if patch.kept else "Normal",
+                        reasons.RESTORED,
+                        _clip(target.restore_message(patch.name, patch.kept)),
+                    )
                 )
 
 
