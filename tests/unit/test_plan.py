@@ -9,6 +9,7 @@ several passes the way the controller does.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -1051,3 +1052,73 @@ def test_a_reshard_job_deleted_under_the_operator_is_created_again() -> None:
     (again,) = world.step().create_jobs
     assert again["metadata"]["name"] == entry.job
     assert again["spec"]["template"]["spec"]["containers"][0]["args"][0] == "reshard"
+
+
+def test_a_set_released_and_wanted_again_gets_jobs_of_its_own() -> None:
+    """The churn case: a TP size dropped while its probe ran (its Job deleted, its entry
+    released) and asked for again must not wait for the old Job, which no longer runs."""
+    world = World({**BASE_SPEC, "tensorParallelSizes": [2, 4]})
+    world.step()
+    old = set_at(world, 4)
+    world.spec["tensorParallelSizes"] = [2]
+    world.generation = 2
+    released = world.step()
+    assert old.job in released.delete_jobs
+    world.jobs[old.job] = replace(running(old.job, "verify"), deleting=True)
+    world.spec["tensorParallelSizes"] = [2, 4]
+    world.generation = 3
+    (probe,) = [j for j in world.step().create_jobs if "-verify-" in j["metadata"]["name"]]
+    assert probe["metadata"]["name"] == old.job.replace("-verify-1", "-verify-2")
+    assert set_at(world, 4).job == probe["metadata"]["name"]
+
+
+def test_a_job_deleted_under_a_set_is_followed_by_the_next_run() -> None:
+    world = World()
+    world.step()
+    probe = world.only_set().job
+    world.jobs[probe] = replace(world.jobs[probe], deleting=True)
+    (again,) = world.step().create_jobs
+    assert again["metadata"]["name"] == probe.replace("-verify-1", "-verify-2")
+    assert world.only_set().verify_run == 2
+
+
+def test_a_name_deleted_a_moment_ago_is_not_used_again() -> None:
+    """The Job controller would not start a pod for a new Job under such a name for minutes."""
+    world = World({**BASE_SPEC, "tensorParallelSizes": [2, 4]})
+    world.step()
+    old = set_at(world, 4).job
+    world.spec["tensorParallelSizes"] = [2]
+    world.generation = 2
+    world.step()
+    assert old not in world.jobs, "deleted, and gone from the index"
+    world.spec["tensorParallelSizes"] = [2, 4]
+    world.generation = 3
+    result = world.step(deleted_jobs=frozenset({old}))
+    assert set_at(world, 4).job == old.replace("-verify-1", "-verify-2")
+    assert old not in [j["metadata"]["name"] for j in result.create_jobs]
+
+
+def test_a_set_dropped_while_probed_and_wanted_again_is_probed_again() -> None:
+    """A loaded set dropped while a probe of it ran keeps its stage (its target still loads it)
+    but loses its Job; wanted again, it must not wait for that Job."""
+    world = World()
+    drive_to_ready(world)
+    loaded = world.only_set().artifact_key
+
+    def want(tp: int) -> None:
+        world.spec["tensorParallelSizes"] = [tp]
+        world.spec["targets"] = [{"name": "vllm", "tensorParallelSize": tp}]
+        world.generation += 1
+        world.step()
+
+    want(4)
+    want(2)
+    entry = set_at(world, 2)
+    assert (entry.artifact_key, entry.stage) == (loaded, "Probing")
+    want(4)
+    entry = set_at(world, 2)
+    assert (entry.stage, entry.job) == ("Probing", None), "kept for its target, Job stopped"
+    want(2)
+    entry = set_at(world, 2)
+    assert entry.job is not None
+    assert entry.job in world.jobs

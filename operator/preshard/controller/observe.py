@@ -94,6 +94,8 @@ class JobView:
     condition_reason: str | None
     condition_message: str
     pods: tuple[PodView, ...]
+    deleting: bool = False
+    """It has a deletion timestamp: it keeps its name until it is gone, but will not finish."""
 
     @property
     def problem(self) -> tuple[str, str] | None:
@@ -192,6 +194,7 @@ def job_view(job: Manifest, pods: list[PodView]) -> JobView:
         condition_reason=final.get("reason") if final else None,
         condition_message=str(final.get("message", "")) if final else "",
         pods=tuple(pods),
+        deleting=bool(metadata.get("deletionTimestamp")),
     )
 
 

@@ -31,7 +31,7 @@ from preshard.api.status import (
     TargetStatus,
 )
 from preshard.builders import jobs, target
-from preshard.builders.common import Manifest, Owner, ShardSet
+from preshard.builders.common import Manifest, Owner, ShardSet, child_name
 from preshard.builders.rollout import Rollout, rollout_of, template_digests
 from preshard.controller.observe import JobView, TargetPodView
 from preshard.identity import artifact_key
@@ -117,6 +117,9 @@ class Observed:
     """URIs of this resource's shard sets that another ShardedModel lists too."""
     target_pods: Mapping[str, tuple[TargetPodView, ...]] = field(default_factory=dict)
     """The pods of patched templates, by Deployment name."""
+    deleted_jobs: frozenset[str] = frozenset()
+    """Names of this namespace's Jobs the operator deleted a few minutes ago: not to be used
+    again yet (the Job controller would not start a pod for a new Job of such a name)."""
 
 
 @dataclass(frozen=True)
@@ -233,8 +236,15 @@ class _Planner:
                 update={"retry_token": token, "failures": 0, "failed_generation": None}
             )
             return self._start(entry, shard_set, jobs.SERIALIZE)
-        if entry.stage in ("Superseded", "Deleting"):
-            # Wanted again before it was deleted: check it is still whole.
+        # A set dropped from the spec while its Job ran keeps its stage, without the Job.
+        stopped = entry.job is None and entry.next_check is None
+        if entry.stage in ("Superseded", "Deleting") or (
+            stopped and entry.stage not in ("Verified", "Failed")
+        ):
+            # Wanted again before it was deleted: stop a delete Job that runs, then check what
+            # is left (the delete removes the manifest first, so a started one is a new set).
+            if entry.job is not None and _kind_of(entry.job) == jobs.DELETE:
+                self.plan.delete_jobs.append(entry.job)
             return self._start(
                 entry.model_copy(update={"stage": "Probing"}), shard_set, jobs.VERIFY
             )
@@ -256,6 +266,10 @@ class _Planner:
             # Not in the index yet (just created) or deleted under us: creating is idempotent.
             self.plan.create_jobs.append(self._build(kind, shard_set, _run_of(entry.job), entry))
             return entry
+        if job.deleting:
+            # Deleted under us and not gone yet: it will not finish, and its name stays taken
+            # until it is gone. The next run has a name of its own.
+            return self._start(entry, shard_set, kind)
         if not job.finished:
             problem = job.problem
             if problem is not None:
@@ -398,7 +412,10 @@ class _Planner:
             jobs.SERIALIZE: "serialize_run",
             jobs.RESHARD: "reshard_run",
         }.get(kind, "delete_run")
-        run = int(getattr(entry, counter)) + 1
+        # Past every run the cluster still has or just lost: a set released and wanted again
+        # starts its counters at zero, while Jobs of its earlier life may remain (finished, or
+        # deleted a moment ago), and no such name may be taken for the new run.
+        run = max(int(getattr(entry, counter)), self._last_run(shard_set, kind)) + 1
         if kind == jobs.SERIALIZE:
             entry = entry.model_copy(update={"resharded_from": None})
         manifest = self._build(kind, shard_set, run, entry)
@@ -422,6 +439,13 @@ class _Planner:
                 "next_check": None,
             }
         )
+
+    def _last_run(self, shard_set: ShardSet, kind: str) -> int:
+        """The highest run of this set's Jobs of this kind that the cluster still has, or that
+        was deleted a moment ago."""
+        prefix = child_name(self.resource.owner, shard_set, kind, 0)[:-1]
+        names = [*self.observed.jobs, *self.observed.deleted_jobs]
+        return max((_run_of(name) for name in names if name.startswith(prefix)), default=0)
 
     def _back_off(self, entry: ShardSetStatus, outcome: Outcome) -> ShardSetStatus:
         failures = entry.failures + 1

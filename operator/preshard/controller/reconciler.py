@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Final
 
@@ -41,6 +41,10 @@ NOT_FOUND_RETRY_SECONDS: Final = 1.0
 # How long a write of this operator (a Job created, a Deployment patched) is remembered while
 # the watch stream that will show it catches up.
 RECENT_WRITE_SECONDS: Final = 30.0
+# How long a deleted Job's name is not used again. The Job controller keys what it waits for
+# (its "expectations") by namespace and name: a Job created again under the name of one deleted
+# before its pod was seen gets no pod until those expire, after five minutes.
+DELETED_JOB_SECONDS: Final = 330.0
 
 log = logging.getLogger(__name__)
 
@@ -78,28 +82,39 @@ class Result:
 
 
 class RecentWrites:
-    """Writes made in the last `RECENT_WRITE_SECONDS`, shared by kopf's worker threads.
+    """Writes made in the last `seconds`, shared by kopf's worker threads.
 
     An index lags behind the writes that change it; a pass that plans from it before it caught
     up would repeat a write that was already made (and be refused). Keys name the write: a Job
     by namespace and name, a Deployment patch by the uid and generation it was planned from.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, seconds: float = RECENT_WRITE_SECONDS) -> None:
         self._lock = threading.Lock()
+        self._seconds = seconds
         self._at: dict[tuple[str, ...], float] = {}
 
     def __contains__(self, key: tuple[str, ...]) -> bool:
         with self._lock:
             made = self._at.get(key)
-            return made is not None and time.monotonic() - made < RECENT_WRITE_SECONDS
+            return made is not None and time.monotonic() - made < self._seconds
 
     def remember(self, key: tuple[str, ...]) -> None:
         """Record a write made now, and forget those too old to matter."""
         now = time.monotonic()
         with self._lock:
-            self._at = {k: t for k, t in self._at.items() if now - t < RECENT_WRITE_SECONDS}
+            self._at = {k: t for k, t in self._at.items() if now - t < self._seconds}
             self._at[key] = now
+
+    def matching(self, prefix: tuple[str, ...]) -> frozenset[tuple[str, ...]]:
+        """The keys remembered now that start with `prefix`."""
+        now = time.monotonic()
+        with self._lock:
+            return frozenset(
+                k
+                for k, t in self._at.items()
+                if k[: len(prefix)] == prefix and now - t < self._seconds
+            )
 
 
 @dataclass
@@ -121,6 +136,7 @@ class Reconciler:
         self.metrics = recorder if recorder is not None else metrics.Metrics()
         self._written: dict[tuple[str, str], _Written] = {}
         self._recent = RecentWrites()
+        self._deleted_jobs = RecentWrites(DELETED_JOB_SECONDS)
         # Delete Jobs of a deletion whose result is counted already, by ShardedModel: deletion
         # retries until every Job is done and reads the finished ones each time.
         self._cleanup_counted: dict[tuple[str, str], set[str]] = {}
@@ -154,7 +170,8 @@ class Reconciler:
             spec=spec,
             status=status,
         )
-        decided = plan(resource, observed, self.settings)
+        deleted = frozenset(job for _, job in self._deleted_jobs.matching((namespace,)))
+        decided = plan(resource, replace(observed, deleted_jobs=deleted), self.settings)
         requeue = self.execute(decided, namespace, object_log(namespace, name, resource.owner.uid))
         self._write_status(namespace, name, raw_status, decided.status)
         # Counted once the status that records it is written: a pass that fails before that
@@ -311,10 +328,15 @@ class Reconciler:
         requeue: float | None = None
         for job_name in decided.delete_jobs:
             self.kube.delete_job(namespace, job_name)
+            self._deleted_jobs.remember((namespace, job_name))
         for manifest in decided.create_jobs:
             job_name = manifest["metadata"]["name"]
             if ("job", namespace, job_name) in self._recent:
-                # Created a moment ago; the Job index has not caught up yet.
+                # Created a moment ago; the Job index has not caught up yet. Its watch event
+                # wakes this resource; the timer covers a Job deleted meanwhile by someone else.
+                requeue = (
+                    RECENT_WRITE_SECONDS if requeue is None else min(requeue, RECENT_WRITE_SECONDS)
+                )
                 continue
             try:
                 created = self.kube.create_job(manifest)
