@@ -4,30 +4,36 @@ The engine tier. `make engine-env` builds vLLM's CPU build into `.venv-engine`, 
 tensorizer, like the stock `vllm/vllm-openai` image; the pod runner runs the images of this
 flow from it (`preshard.devenv.engine`):
 
-1. `kubectl apply` of a ShardedModel at TP 1 and TP 2 with two target Deployments, one per TP
-   size, written as people write them (`vllm serve org/tiny --port N`, a readiness probe on
-   `/health`);
-2. the serialize Jobs run `preshard serialize` with the real `VllmEngine`: vLLM's own
-   `tensorize_vllm_model` writes each rank's file (fused `qkv_proj`, `gate_up_proj`, padded
-   vocabulary), preshard uploads them to the S3 server; the verify Jobs check them;
-3. the operator patches each Deployment; the runner runs its init container
+1. `kubectl apply` of a ShardedModel at TP 1 with a target Deployment written as people write
+   it (`vllm serve org/tiny --port N`, a readiness probe on `/health`);
+2. the serialize Job runs `preshard serialize` with the real `VllmEngine`: vLLM's own
+   `tensorize_vllm_model` writes the rank file, preshard uploads it to the S3 server; the
+   verify Job checks it;
+3. the ShardedModel is edited (`kubectl apply` again) to TP 1 and 2, with a second Deployment
+   at TP 2: the operator makes the TP 2 set with a reshard Job on CPU from the verified TP 1
+   set (no serialize Job: vLLM's layout at TP 2, fused `qkv_proj` and `gate_up_proj` halved per
+   rank, is written by `preshard reshard`), and verifies it;
+4. the operator patches each Deployment; the runner runs its init container
    (`preshard fetch-config`, which also hands over the bundled tensorizer) and then the vLLM
    container's command line exactly as patched, as a real `vllm serve` that streams the rank
    files from S3 with tensorizer;
-4. each patched server answers a temperature-0 completion with the same tokens as vLLM serving
-   the original safetensors, and the ShardedModel is Ready;
-5. the TP 1 set is broken under its Deployment (rank file zeroed, same size) and the pod
+5. each patched server answers a temperature-0 completion with the same tokens as vLLM serving
+   the original safetensors, the resharded TP 2 set included, and the ShardedModel is Ready;
+6. the TP 1 set is broken under its Deployment (rank file zeroed, same size) and the pod
    replaced: vLLM refuses the file and crash-loops, and the ShardedModel turns not-Ready with
    `TargetUnavailable` and an event quoting the pod's last output.
 
-So a wrong tensorizer URI, TP size, endpoint, a lost rank or an image that cannot import
-tensorizer fails here because vLLM itself refuses or answers differently. What is not real: the
+So a wrong tensorizer URI, TP size, endpoint, a lost rank, an image that cannot import
+tensorizer or a resharded tensor out of place fails here because vLLM itself refuses or answers
+differently. That the resharded files are vLLM's own byte for byte is shown against vLLM's
+serializations in `tests/dataplane/test_reshard.py`. What is not real: the
 GPU (vLLM runs on CPU, with the fixes in `operator/preshard/devenv/vllm_cpu/`), and images
 (each runs from a local virtualenv).
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,6 +142,15 @@ def wait_pod_ready(api: k8s.ApiClient, namespace: str, deployment: str) -> Any:
     return support.until(ready, f"the patched {deployment} to serve", timeout=SERVE_TIMEOUT)
 
 
+def tp2_verified(api: k8s.ApiClient, namespace: str, operator: OperatorProcess) -> Any | None:
+    """The ShardedModel once its TP 2 set is verified (the operator must stay up meanwhile)."""
+    assert operator.alive(), operator.log_tail()
+    resource = shm.get(api, namespace, "tiny")
+    sets = (resource.get("status") or {}).get("shardSets") or []
+    done = any(e["tensorParallelSize"] == 2 and e["stage"] == "Verified" for e in sets)
+    return resource if done else None
+
+
 def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
     kube_api: k8s.ApiClient,
     workspace: str,
@@ -163,18 +178,18 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
             replicas=0,
         )
     source = upload_model(vllm_model, s3_bucket.client, s3_bucket.name, "models/tiny-vllm")
+    targets = [{"name": f"vllm-tp{tp}", "tensorParallelSize": tp} for tp in ports]
     body = support.spec(
         store,
         f"real-vllm-{secrets.token_hex(3)}",
         model={"uri": source},
-        tp=(1, 2),
-        targets=[{"name": f"vllm-tp{tp}", "tensorParallelSize": tp} for tp in ports],
+        tp=(1,),
+        targets=targets[:1],
         serialization={"image": SERIALIZER_IMAGE, "dtype": "float32", "maxModelLen": 256},
     )
     support.kubectl_apply(admin_kubectl, support.sharded_model("tiny", namespace, body), tmp_path)
-
-    with support.stopwatch("real vLLM: apply -> both sets serialized"):
-        shm.wait_condition(
+    with support.stopwatch("real vLLM: apply -> TP 1 set serialized"):
+        serialized = shm.wait_condition(
             kube_api,
             namespace,
             "tiny",
@@ -183,18 +198,42 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
             operator=operator,
             timeout=SERIALIZE_TIMEOUT,
         )
-    outcomes = {
-        name: support.job_outcome(kube_api, namespace, name)[1]
-        for name in support.job_names(kube_api, namespace)
-        if "-serialize-" in name
-    }
-    assert sorted(o.tensor_parallel_size or 0 for o in outcomes.values()) == [1, 2], outcomes
-    for outcome in outcomes.values():
-        # vLLM's own version and tensorizer's are what the manifest records.
+    (tp1_set,) = serialized["status"]["shardSets"]
+
+    # The edit that adds a TP size: its set is made on CPU from the TP 1 set, with no GPU Job.
+    edited = {**body, "tensorParallelSizes": [1, 2], "targets": targets}
+    support.kubectl_apply(admin_kubectl, support.sharded_model("tiny", namespace, edited), tmp_path)
+    with support.stopwatch("real vLLM: edit to TP 1 and 2 -> TP 2 set resharded and verified"):
+        resharded = support.until(
+            lambda: tp2_verified(kube_api, namespace, operator),
+            "the TP 2 set to be resharded and verified",
+            timeout=SERIALIZE_TIMEOUT,
+        )
+    sets = {e["tensorParallelSize"]: e for e in resharded["status"]["shardSets"]}
+    assert sets[2]["reshardedFrom"] == tp1_set["artifactKey"], sets[2]
+    assert sets[2]["message"].startswith(f"resharded on CPU from {tp1_set['artifactKey']}")
+    assert (sets[2].get("reshardRun"), sets[2].get("serializeRun", 0)) == (1, 0), sets[2]
+    names = support.job_names(kube_api, namespace)
+    outcomes = {name: support.job_outcome(kube_api, namespace, name)[1] for name in names}
+    made = {n: o for n, o in outcomes.items() if "-serialize-" in n or "-reshard-" in n}
+    assert sorted((o.command, o.tensor_parallel_size) for o in made.values()) == [
+        ("reshard", 2),
+        ("serialize", 1),
+    ], made
+    for outcome in made.values():
+        # vLLM's own version is what both manifests record; tensorizer's wrote each set.
         assert outcome.vllm_version == "0.32.0", outcome
         assert outcome.tensorizer_version == "2.10.1", outcome
+    manifest = s3_bucket.client.get_object(
+        Bucket=s3_bucket.name, Key=S3Location.parse(sets[2]["uri"]).key("manifest.json")
+    )["Body"].read()
+    assert json.loads(manifest)["reshardedFrom"] == {
+        "uri": tp1_set["uri"],
+        "artifactKey": tp1_set["artifactKey"],
+        "tensorParallelSize": 1,
+    }
 
-    with support.stopwatch("real vLLM: serialized -> both patched servers ready"):
+    with support.stopwatch("real vLLM: both sets verified -> both patched servers ready"):
         apps = k8s.AppsV1Api(kube_api)
         for tp in ports:
             support.until(
@@ -224,8 +263,7 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
     # The set under a serving Deployment breaks, so that vLLM itself refuses it: the TP 1 rank
     # file is overwritten with as many zero bytes (a sizes check still passes), and the pod is
     # replaced. Its vLLM fails to load and crash-loops; Ready follows the pods, not the patch.
-    (tp1,) = [o for o in outcomes.values() if o.tensor_parallel_size == 1]
-    rank_file = S3Location.parse(tp1.uri or "").key("model-rank-000.tensors")
+    rank_file = S3Location.parse(tp1_set["uri"]).key("model-rank-000.tensors")
     size = s3_bucket.client.head_object(Bucket=s3_bucket.name, Key=rank_file)["ContentLength"]
     s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=rank_file, Body=bytes(size))
     core = k8s.CoreV1Api(kube_api)
