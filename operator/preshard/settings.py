@@ -75,6 +75,10 @@ class Settings:
     none. Off unless set, so operators started side by side on one machine (tests, `make run`)
     never contend for a port; the Helm chart sets it (9090 by default)."""
 
+    progress_seconds: int = 15
+    """How often the log of a running serialize or reshard Job's pod is read for its progress
+    (`status.shardSets[].progress`); 0 reads none."""
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Settings from `PRESHARD_*` variables; unset ones keep their defaults."""
@@ -134,4 +138,5 @@ class Settings:
             ),
             log_format=log_format,
             metrics_port=metrics_port,
+            progress_seconds=number("PROGRESS_SECONDS", defaults.progress_seconds, 0),
         )

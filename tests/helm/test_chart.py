@@ -47,6 +47,7 @@ OPERATOR_RULES: Final = [
     (("preshard.dev",), ("shardedmodels/finalizers",), ("update",)),
     (("batch",), ("jobs",), ("get", "list", "watch", "create", "delete")),
     (("",), ("pods",), ("get", "list", "watch")),
+    (("",), ("pods/log",), ("get",)),
     (("apps",), ("deployments",), ("get", "list", "watch", "patch")),
     (("",), ("events",), ("create", "patch")),
     (("events.k8s.io",), ("events",), ("create", "patch")),
@@ -218,6 +219,7 @@ def test_every_setting_is_configurable(custom: list[Manifest]) -> None:
         retry_backoff_max_seconds=60,
         log_format="json",
         metrics_port=9102,
+        progress_seconds=5,
     )
 
 

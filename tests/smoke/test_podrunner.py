@@ -193,6 +193,25 @@ def test_env_volumes_and_termination_message(
     }
 
 
+def test_the_api_serves_a_runner_pods_log(
+    pod_runner: PodRunner, kube_api: k8s.ApiClient, namespace: str
+) -> None:
+    """`kubectl logs` (and the operator's progress reads) reach the runner's containers."""
+    main = {
+        "name": "main",
+        "image": "preshard:test",
+        "command": ["sh", "-c", "for i in 1 2 3 4 5; do echo line $i; done"],
+    }
+    k8s.CoreV1Api(kube_api).create_namespaced_pod(namespace, _pod("talks", [main]))
+    wait_for_pod(kube_api, namespace, "talks", _terminated, what="the pod to end")
+    core = k8s.CoreV1Api(kube_api)
+    assert core.read_namespaced_pod_log("talks", namespace, container="main") == "".join(
+        f"line {i}\n" for i in range(1, 6)
+    )
+    assert core.read_namespaced_pod_log("talks", namespace, tail_lines=2) == "line 4\nline 5\n"
+    assert core.read_namespaced_pod_log("talks", namespace, limit_bytes=8) == "line 1\nl"
+
+
 def test_a_failing_init_container_fails_the_pod(
     pod_runner: PodRunner, kube_api: k8s.ApiClient, namespace: str
 ) -> None:

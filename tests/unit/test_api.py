@@ -60,7 +60,7 @@ def test_crd_names_and_columns() -> None:
     version = manifest["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns[:4] == ["Ready", "Reason", "TP", "Age"]
+    assert columns[:5] == ["Ready", "Reason", "TP", "Progress", "Age"]
 
 
 def test_reserved_engine_args_are_refused_in_either_spelling() -> None:

@@ -1122,3 +1122,22 @@ def test_a_set_dropped_while_probed_and_wanted_again_is_probed_again() -> None:
     entry = set_at(world, 2)
     assert entry.job is not None
     assert entry.job in world.jobs
+
+
+def test_a_running_jobs_progress_shows_in_its_set_and_goes_when_it_ends() -> None:
+    world = World()
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    world.step()
+    job = world.only_set().job
+    step = "upload 35% of 14.96 GiB, 420 MB/s, about 25 s left"
+    world.step(progress={job: step})
+    assert (world.only_set().progress, world.only_set().message) == (
+        step,
+        f"Job {job} is running",
+    )
+    assert world.step(progress={}).status == world.status, "a log not read now is no step back"
+    assert world.only_set().progress == step
+    world.finish(job, serialized())
+    world.step(progress={job: step})
+    assert world.only_set().progress is None

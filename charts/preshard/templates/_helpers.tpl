@@ -101,6 +101,11 @@ them; only the Jobs and Deployments it creates or patches reference them, by nam
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
+# Read the last lines of a running serialize or reshard Job's log for its progress (the
+# operator reads no Secret and no S3; the data plane's logs redact credentials).
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
 # Point target vLLM Deployments at their shard set, and restore them when the ShardedModel
 # goes. The operator never creates or deletes Deployments and never changes replicas.
 - apiGroups: ["apps"]

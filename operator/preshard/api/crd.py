@@ -46,6 +46,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Tensor-parallel sizes with a shard set.",
     },
     {
+        "name": "Progress",
+        "type": "string",
+        "jsonPath": ".status.shardSets[*].progress",
+        "description": "How far the running serialize or reshard Jobs are.",
+    },
+    {
         "name": "Age",
         "type": "date",
         "jsonPath": ".metadata.creationTimestamp",

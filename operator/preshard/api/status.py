@@ -153,7 +153,8 @@ class ShardSetStatus(StatusModel):
     """tensorizer version the set was made with."""
 
     progress: str | None = None
-    """Human-readable progress of the running Job."""
+    """How far the running serialize or reshard Job is, from its pod's log, in steps of 5%:
+    `upload 35% of 14.96 GiB, 420 MB/s, about 25 s left`."""
 
 
 class TargetStatus(StatusModel):

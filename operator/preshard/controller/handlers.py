@@ -23,9 +23,9 @@ import kopf
 
 from preshard import reasons
 from preshard.api import models
-from preshard.builders import target
+from preshard.builders import jobs, target
 from preshard.builders.common import LABEL_MANAGED_BY, LABEL_SHARDEDMODEL, MANAGED_BY
-from preshard.controller import kube, metrics
+from preshard.controller import kube, metrics, progress
 from preshard.controller.observe import (
     JobView,
     PodView,
@@ -48,6 +48,8 @@ from preshard.settings import Settings
 RESYNC_SECONDS: Final = 600.0
 CLEANUP_RETRY_SECONDS: Final = 5.0
 JOB_NAME_LABELS: Final = ("batch.kubernetes.io/job-name", "job-name")
+# The Jobs whose progress is read from their pod's log: the long ones.
+PROGRESS_COMMANDS: Final = frozenset({jobs.SERIALIZE, jobs.RESHARD})
 OWNED: Final = {LABEL_MANAGED_BY: MANAGED_BY}
 
 Key = tuple[str, str]
@@ -173,8 +175,23 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.api = kube.load_configuration()
     # `preshard run` passes the metrics it serves; without them the counts go nowhere.
     recorder: metrics.Metrics = memo.get("metrics") or metrics.Metrics()
-    memo.reconciler = Reconciler(kube.Kube(memo.api), operator_settings, recorder)
+    client = kube.Kube(memo.api)
+    memo.reconciler = Reconciler(client, operator_settings, recorder)
     memo.wakeups = Wakeups()
+    memo.progress = (
+        progress.ProgressReader(
+            lambda namespace, pod: client.read_log_tail(
+                namespace,
+                pod,
+                jobs.CONTAINER,
+                lines=progress.TAIL_LINES,
+                limit_bytes=progress.TAIL_BYTES,
+            ),
+            operator_settings.progress_seconds,
+        )
+        if operator_settings.progress_seconds
+        else None
+    )
 
 
 @kopf.on.cleanup()
@@ -314,17 +331,37 @@ async def _reconcile_once(key: Key, body: kopf.Body, memo: kopf.Memo, indexes: I
     interest = _interest(snapshot)
     memo.wakeups.set_interest(key, interest)
     deployments = indexes.deployments_for(key, interest)
+    job_views = indexes.jobs_of(key)
+    reader: progress.ProgressReader | None = memo.progress
+    steps = await asyncio.to_thread(_progress, reader, key[0], job_views) if reader else {}
     observed = observed_for(
-        indexes.jobs_of(key),
+        job_views,
         deployments,
         indexes.sets_elsewhere(key, _set_uris(snapshot)),
         now_utc(),
         target_pods=indexes.target_pods_of(key[0], deployments),
+        progress={name: step.text for name, step in steps.items() if step is not None},
     )
     reconciler: Reconciler = memo.reconciler
     result = await asyncio.to_thread(reconciler.reconcile, snapshot, observed)
     _post(body, result.events)
-    return result.requeue_after or RESYNC_SECONDS
+    delay = result.requeue_after or RESYNC_SECONDS
+    # While a serialize or reshard Job runs, look at its progress again after a poll interval.
+    return min(delay, reader.interval) if reader and steps else delay
+
+
+def _progress(
+    reader: progress.ProgressReader, namespace: str, job_views: dict[str, JobView]
+) -> dict[str, progress.Step | None]:
+    """The steps of the running serialize and reshard Jobs, by Job name (None: not known)."""
+    steps: dict[str, progress.Step | None] = {}
+    for name, job in job_views.items():
+        pod = job.latest_pod
+        if job.finished or job.command not in PROGRESS_COMMANDS or pod is None:
+            continue
+        if pod.phase == "Running":
+            steps[name] = reader.step(namespace, pod.name)
+    return steps
 
 
 @kopf.on.delete(models.GROUP, models.VERSION, models.PLURAL)

@@ -54,6 +54,7 @@ class Kube:
         self._batch = client.BatchV1Api(api)
         self._apps = client.AppsV1Api(api)
         self._custom = client.CustomObjectsApi(api)
+        self._core = client.CoreV1Api(api)
 
     def create_job(self, manifest: Manifest) -> bool:
         """Create a Job; False when one of that name exists already."""
@@ -70,6 +71,20 @@ class Kube:
                 raise NamespaceTerminatingError(manifest["metadata"]["namespace"]) from None
             raise
         return True
+
+    def read_log_tail(
+        self, namespace: str, pod: str, container: str, *, lines: int, limit_bytes: int
+    ) -> str:
+        """The last `lines` lines (at most `limit_bytes`) of a container's log."""
+        text = self._core.read_namespaced_pod_log(
+            pod,
+            namespace,
+            container=container,
+            tail_lines=lines,
+            limit_bytes=limit_bytes,
+            _request_timeout=10,
+        )
+        return str(text)
 
     def delete_job(self, namespace: str, name: str) -> None:
         """Delete a Job and its pods (in the background); a missing Job is fine."""

@@ -117,6 +117,8 @@ class Observed:
     """URIs of this resource's shard sets that another ShardedModel lists too."""
     target_pods: Mapping[str, tuple[TargetPodView, ...]] = field(default_factory=dict)
     """The pods of patched templates, by Deployment name."""
+    progress: Mapping[str, str] = field(default_factory=dict)
+    """How far running Jobs are, by Job name, as their pods' logs last said (stepped)."""
     deleted_jobs: frozenset[str] = frozenset()
     """Names of this namespace's Jobs the operator deleted a few minutes ago: not to be used
     again yet (the Job controller would not start a pod for a new Job of such a name)."""
@@ -275,12 +277,22 @@ class _Planner:
             if problem is not None:
                 return entry.model_copy(update={"reason": problem[0], "message": problem[1]})
             running = _running_reason(kind, entry.stage)
-            if entry.reason == running:
+            # An unknown progress keeps the last one known: a log that cannot be read now
+            # (a restarted operator, a node that serves no logs) is no step back.
+            step = self.observed.progress.get(job.name) or entry.progress
+            if (entry.reason, entry.progress) == (running, step):
                 return entry
-            # A problem the pod had (a missing Secret, say) is gone.
             return entry.model_copy(
-                update={"reason": running, "message": f"Job {job.name} is running"}
+                update={
+                    "reason": running,
+                    # A problem the pod had (a missing Secret, say) is gone.
+                    "message": entry.message
+                    if entry.reason == running
+                    else f"Job {job.name} is running",
+                    "progress": step,
+                }
             )
+        entry = entry.model_copy(update={"progress": None})
         outcome = job.outcome()
         if kind in (jobs.SERIALIZE, jobs.RESHARD):
             return self._serialized(entry, shard_set, outcome)
@@ -525,6 +537,7 @@ class _Planner:
                     "message": "no longer wanted; kept while a target still loads it",
                     "job": None,
                     "next_check": None,
+                    "progress": None,
                 }
             )
         if entry.job is not None and _kind_of(entry.job) != jobs.DELETE:

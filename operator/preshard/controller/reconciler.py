@@ -524,6 +524,7 @@ def observed_for(
     now: datetime,
     *,
     target_pods: Mapping[str, tuple[TargetPodView, ...]] | None = None,
+    progress: Mapping[str, str] | None = None,
 ) -> Observed:
     """Bundle what the indexes hold for one ShardedModel."""
     return Observed(
@@ -532,6 +533,7 @@ def observed_for(
         now=now,
         sets_used_elsewhere=sets_used_elsewhere,
         target_pods=dict(target_pods or {}),
+        progress=dict(progress or {}),
     )
 
 

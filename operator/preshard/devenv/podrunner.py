@@ -57,7 +57,9 @@ Supported, with the kubelet's semantics:
 - Deletion: a pod with a `deletionTimestamp` gets its processes killed (SIGTERM, then SIGKILL
   after its grace period, at most 5 s) and is then removed with grace period 0.
 - Output: each container's stdout and stderr go to `<work dir>/<namespace>/<pod>/logs/
-  <container>.log`; `PodRunner.logs()` reads them (the API's log endpoint does not exist).
+  <container>.log`; `PodRunner.logs()` reads them, and so does the API's log endpoint
+  (`kubectl logs`, the operator's progress reads): the node serves it
+  (`preshard.devenv.kubeletlogs`) at its only address, 127.0.0.1.
 
 Not supported: pulling images (every container runs on this machine), liveness, startup and
 exec/TCP probes, lifecycle hooks, resource limits, sidecar init containers
@@ -96,6 +98,7 @@ from kubernetes.client.exceptions import ApiException
 
 from preshard.devenv import nodes
 from preshard.devenv.kubeconfig import api_client as kubeconfig_api_client
+from preshard.devenv.kubeletlogs import LogServer
 
 NODE: Final = nodes.RUNNER_NODE
 TERMINATION_LOG_ENV: Final = "PRESHARD_TERMINATION_LOG"
@@ -922,6 +925,7 @@ class PodRunner:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._watcher: k8s_watch.Watch | None = None
+        self._log_server: LogServer | None = None
 
     @property
     def stopping(self) -> bool:
@@ -939,6 +943,7 @@ class PodRunner:
     def start(self, *, ready_timeout: float = 60.0) -> PodRunner:
         """Mark the node Ready, start watching its pods, and wait until it can be scheduled."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._log_server = LogServer(self._read_log).start()
         with self.new_api() as api:
             self._heartbeat(api)
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch")):
@@ -960,12 +965,17 @@ class PodRunner:
             run.thread.join(timeout=_MAX_KILL_GRACE + 5)
         for thread in self._threads:
             thread.join(timeout=10)
+        if self._log_server is not None:
+            self._log_server.stop()
 
     def logs(self, namespace: str, pod: str, container: str) -> str:
         """A container's output so far (stdout and stderr together)."""
+        return self._read_log(namespace, pod, container) or ""
+
+    def _read_log(self, namespace: str, pod: str, container: str) -> str | None:
         for path in (self.work_dir / namespace).glob(f"{pod}-*/logs/{container}.log"):
             return path.read_text(errors="replace")
-        return ""
+        return None
 
     # The node.
 
@@ -1005,10 +1015,10 @@ class PodRunner:
                     }
                     for kind, value, reason, text in conditions
                 ],
-                "addresses": [
-                    {"type": "InternalIP", "address": "127.0.0.1"},
-                    {"type": "Hostname", "address": self.node_name},
-                ],
+                # The API server reaches a node's kubelet (logs) at its first address of the
+                # preferred types, Hostname first: with none, at this one, on loopback.
+                "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+                "daemonEndpoints": {"kubeletEndpoint": {"Port": self._log_port()}},
                 "nodeInfo": {
                     "architecture": "amd64",
                     "operatingSystem": "linux",
@@ -1025,6 +1035,10 @@ class PodRunner:
         }
         core.patch_node_status(self.node_name, body)
         self._renew_lease(api, node.metadata.uid if node.metadata else None)
+
+    def _log_port(self) -> int:
+        assert self._log_server is not None  # noqa: S101 - started first
+        return self._log_server.port
 
     def _renew_lease(self, api: k8s.ApiClient, node_uid: str | None) -> None:
         leases = k8s.CoordinationV1Api(api)
