@@ -117,18 +117,7 @@ def build_serialize_job(job: JobInput) -> Manifest:
             else []
         ),
         *(_engine_args_flag(serialization.extra_engine_args)),
-        "--dest",
-        shard_set.uri,
-        "--artifact-key",
-        shard_set.artifact_key,
-        "--scratch-dir",
-        SCRATCH_DIR,
-        # An emptyDir's free space reads as the node's disk; the sizeLimit is the real bound.
-        "--scratch-size-limit",
-        scratch_size,
-        *(["--encryption-keyfile", ENCRYPTION_KEYFILE] if spec.encryption else []),
-        *s3_args(spec.storage),
-        *log_args(settings),
+        *_writer_args(job, scratch_size),
     ]
     env = s3_env(spec.storage)
     if spec.model.token_secret_ref is not None:
@@ -212,17 +201,7 @@ def build_reshard_job(job: JobInput, source: S3Location) -> Manifest:
         source.uri,
         "--to-tensor-parallel-size",
         str(shard_set.tensor_parallel_size),
-        "--dest",
-        shard_set.uri,
-        "--artifact-key",
-        shard_set.artifact_key,
-        "--scratch-dir",
-        SCRATCH_DIR,
-        "--scratch-size-limit",
-        scratch_size,
-        *(["--encryption-keyfile", ENCRYPTION_KEYFILE] if spec.encryption else []),
-        *s3_args(spec.storage),
-        *log_args(settings),
+        *_writer_args(job, scratch_size),
     ]
     mounts, volumes = _scratch_volumes(spec, scratch_size)
     resources = copy.deepcopy(RESHARD_RESOURCES)
@@ -370,6 +349,26 @@ def _add_job_pods(pod_spec: Manifest, extras: models.JobPods) -> None:
         pod_spec["affinity"] = extras.affinity
     if extras.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in extras.image_pull_secrets]
+
+
+def _writer_args(job: JobInput, scratch_size: str) -> list[str]:
+    """The flags of a command that writes a set (serialize, reshard): where to, the scratch
+    room, the key, the store and the log format."""
+    spec = job.spec
+    return [
+        "--dest",
+        job.shard_set.uri,
+        "--artifact-key",
+        job.shard_set.artifact_key,
+        "--scratch-dir",
+        SCRATCH_DIR,
+        # An emptyDir's free space reads as the node's disk; the sizeLimit is the real bound.
+        "--scratch-size-limit",
+        scratch_size,
+        *(["--encryption-keyfile", ENCRYPTION_KEYFILE] if spec.encryption else []),
+        *s3_args(spec.storage),
+        *log_args(job.settings),
+    ]
 
 
 def _scratch_env() -> list[Manifest]:
