@@ -80,3 +80,7 @@ ROLLOUT_FAILED: Final = "RolloutFailed"
 
 # Deletion.
 CLEANUP_FAILED: Final = "CleanupFailed"
+
+# Targets left alone: a server on another vLLM than the shards', a patch something keeps reverting.
+VLLM_VERSION_MISMATCH: Final = "VLLMVersionMismatch"
+TARGET_REVERTED: Final = "TargetReverted"

@@ -7,6 +7,7 @@ development environment.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -28,6 +29,12 @@ class Settings:
 
     serializer_image: str = f"ghcr.io/preshard/preshard-serializer:{__version__}"
     """Default image of the GPU serialization Job (vLLM + tensorizer + preshard)."""
+
+    serializer_vllm_version: str = "0.34.0"
+    """The vLLM release the default serializer image is built on (the `FROM` of the
+    Dockerfile's serializer stage). The artifact key of its sets names this release, not the
+    image, so a preshard upgrade on the same vLLM re-serializes nothing; change it with the
+    image when that moves to another vLLM."""
 
     tools_image: str = f"ghcr.io/preshard/preshard:{__version__}"
     """Image of the verify and delete Jobs and of the fetch-config init container."""
@@ -100,6 +107,12 @@ class Settings:
                 raise SettingsError(f"{ENV_PREFIX}{name} must be at least {minimum}")
             return value
 
+        serializer_vllm_version = text("SERIALIZER_VLLM_VERSION", defaults.serializer_vllm_version)
+        if not re.match(r"^v?\d+\.\d+\.\d+", serializer_vllm_version):
+            raise SettingsError(
+                f"{ENV_PREFIX}SERIALIZER_VLLM_VERSION={serializer_vllm_version!r} is not a vLLM "
+                "release such as 0.34.0"
+            )
         scratch_size = text("SCRATCH_SIZE", defaults.scratch_size)
         try:
             whole_bytes(scratch_size)
@@ -118,6 +131,7 @@ class Settings:
         )
         return cls(
             serializer_image=text("SERIALIZER_IMAGE", defaults.serializer_image),
+            serializer_vllm_version=serializer_vllm_version,
             tools_image=text("TOOLS_IMAGE", defaults.tools_image),
             image_pull_policy=text("IMAGE_PULL_POLICY", defaults.image_pull_policy),
             gpu_resource_name=text("GPU_RESOURCE_NAME", defaults.gpu_resource_name),

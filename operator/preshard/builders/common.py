@@ -30,6 +30,11 @@ ENCRYPTION_DIR: Final = "/var/run/preshard/encryption"
 ENCRYPTION_FILE: Final = "key"
 ENCRYPTION_KEYFILE: Final = f"{ENCRYPTION_DIR}/{ENCRYPTION_FILE}"
 ENCRYPTION_VOLUME: Final = "preshard-encryption-key"
+# The store's CA bundle (`storage.caBundle`), mounted read-only where a pod talks to S3.
+CA_BUNDLE_DIR: Final = "/var/run/preshard/ca"
+CA_BUNDLE_FILE: Final = "ca.crt"
+CA_BUNDLE_PATH: Final = f"{CA_BUNDLE_DIR}/{CA_BUNDLE_FILE}"
+CA_BUNDLE_VOLUME: Final = "preshard-ca-bundle"
 
 # What boto3 resolves for S3 without a region, and for us-east-1 and the pseudo-region
 # aws-global.
@@ -165,12 +170,17 @@ def s3_endpoint_url(storage: models.Storage) -> str:
 
 
 def s3_args(storage: models.Storage) -> list[str]:
-    """Data-plane flags for the store's endpoint and region (not secret)."""
+    """Data-plane flags for the store's endpoint, region, CA bundle and addressing style (not
+    secret). The last two only when set, so a spec without them builds what it always did."""
     args: list[str] = []
     if storage.endpoint:
         args += ["--endpoint", storage.endpoint]
     if storage.region:
         args += ["--region", storage.region]
+    if storage.ca_bundle is not None:
+        args += ["--ca-bundle", CA_BUNDLE_PATH]
+    if storage.addressing_style != "auto":
+        args += ["--addressing-style", storage.addressing_style]
     return args
 
 
@@ -198,6 +208,22 @@ def encryption_volume(encryption: models.Encryption) -> Manifest:
 def encryption_mount() -> Manifest:
     """Where containers see the encryption key file."""
     return {"name": ENCRYPTION_VOLUME, "mountPath": ENCRYPTION_DIR, "readOnly": True}
+
+
+def ca_bundle_volume(ca_bundle: models.ConfigMapKeyRef) -> Manifest:
+    """The ConfigMap volume that holds only the store's CA bundle, as `CA_BUNDLE_FILE`."""
+    return {
+        "name": CA_BUNDLE_VOLUME,
+        "configMap": {
+            "name": ca_bundle.name,
+            "items": [{"key": ca_bundle.key, "path": CA_BUNDLE_FILE}],
+        },
+    }
+
+
+def ca_bundle_mount() -> Manifest:
+    """Where containers see the CA bundle: read-only, at `CA_BUNDLE_PATH`."""
+    return {"name": CA_BUNDLE_VOLUME, "mountPath": CA_BUNDLE_DIR, "readOnly": True}
 
 
 def _secret_env(name: str, secret: str, key: str) -> Manifest:

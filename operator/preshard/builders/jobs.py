@@ -21,6 +21,8 @@ from preshard.builders.common import (
     Manifest,
     Owner,
     ShardSet,
+    ca_bundle_mount,
+    ca_bundle_volume,
     child_name,
     encryption_mount,
     encryption_volume,
@@ -283,6 +285,9 @@ def _tools_job(
         "automountServiceAccountToken": False,
         "containers": [container],
     }
+    if spec.storage.ca_bundle is not None:
+        container["volumeMounts"] = [ca_bundle_mount()]
+        pod_spec["volumes"] = [ca_bundle_volume(spec.storage.ca_bundle)]
     _placement(pod_spec, spec.verification.node_selector, spec.verification.tolerations)
     if spec.serialization.service_account_name:
         pod_spec["serviceAccountName"] = spec.serialization.service_account_name
@@ -382,7 +387,8 @@ def _scratch_env() -> list[Manifest]:
 def _scratch_volumes(
     spec: models.ShardedModelSpec, scratch_size: str
 ) -> tuple[list[Manifest], list[Manifest]]:
-    """The mounts and volumes of a Job that writes a set: scratch, and the key if encrypted.
+    """The mounts and volumes of a Job that writes a set: scratch, the key if encrypted, and
+    the store's CA bundle if it has one.
 
     The scratch size is also requested as `ephemeral-storage` by the callers: the scheduler
     places a pod by its requests only, so without it a node whose disk cannot hold the volume
@@ -394,6 +400,9 @@ def _scratch_volumes(
     if spec.encryption is not None:
         mounts.append(encryption_mount())
         volumes.append(encryption_volume(spec.encryption))
+    if spec.storage.ca_bundle is not None:
+        mounts.append(ca_bundle_mount())
+        volumes.append(ca_bundle_volume(spec.storage.ca_bundle))
     return mounts, volumes
 
 

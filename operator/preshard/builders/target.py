@@ -10,10 +10,13 @@ preshard's changes: a field (a flag, an env var, a resource, a mount) still as p
 gets its original value back, and what the user changed meanwhile stays. Every value of the
 user's that the patch replaces is reported (`PatchedDeployment.overrides`). A Deployment that
 another controller owns is refused unless the target allows it: that controller would put its
-own template back.
+own template back. So is a server whose vLLM release is not the one that wrote the shards
+(`vllm_version_check`), unless the target allows it.
 
 Whether a Deployment needs a write is decided on the fields preshard manages only
-(`managed_view`): server-side defaults on the rest never cause a patch loop.
+(`managed_view`): server-side defaults on the rest never cause a patch loop. The init
+container keeps the tools image it has while nothing else of the patch changes, so an operator
+upgrade does not restart every vLLM pod.
 """
 
 from __future__ import annotations
@@ -29,11 +32,15 @@ from typing import Any, Final, TypeVar
 from preshard import reasons
 from preshard.api import models
 from preshard.builders.common import (
+    CA_BUNDLE_PATH,
+    CA_BUNDLE_VOLUME,
     ENCRYPTION_KEYFILE,
     ENCRYPTION_VOLUME,
     Manifest,
     Owner,
     ShardSet,
+    ca_bundle_mount,
+    ca_bundle_volume,
     encryption_mount,
     encryption_volume,
     log_args,
@@ -49,6 +56,7 @@ from preshard.builders.vllm_args import (
     restore_vllm_command,
     rewrite_vllm_command,
 )
+from preshard.identity import image_tag, vllm_release
 from preshard.layout import tensorizer_uri
 from preshard.settings import Settings
 
@@ -62,6 +70,11 @@ ANNOTATION_ARTIFACT_KEY: Final = "preshard.dev/artifact-key"
 ANNOTATION_PREVIOUS_KEY: Final = "preshard.dev/previous-artifact-key"
 ANNOTATION_TP: Final = "preshard.dev/tensor-parallel-size"
 ANNOTATION_IMAGE: Final = "preshard.dev/container-image"
+# How often the same patch was written in a row (`PatchRounds`): a GitOps tool that reverts it
+# each time is met with a refusal, not with a GPU restart per round.
+ANNOTATION_PATCH_ROUNDS: Final = "preshard.dev/patch-rounds"
+# The user's: the vLLM release the container runs, when its image tag does not say.
+ANNOTATION_VLLM_VERSION: Final = "preshard.dev/vllm-version"
 OWNED_ANNOTATIONS: Final = (
     ANNOTATION_OWNER,
     ANNOTATION_ORIGINAL,
@@ -71,14 +84,17 @@ OWNED_ANNOTATIONS: Final = (
     ANNOTATION_PREVIOUS_KEY,
     ANNOTATION_TP,
     ANNOTATION_IMAGE,
+    ANNOTATION_PATCH_ROUNDS,
 )
+# preshard's annotations that are records, not the patch: they never cause a write themselves.
+RECORD_ANNOTATIONS: Final = (ANNOTATION_IMAGE, ANNOTATION_PATCH_ROUNDS)
 
 # The vLLM container's fields a patch changes, recorded before and after it.
 CONTAINER_FIELDS: Final = ("command", "args", "env", "resources", "volumeMounts")
 INIT_CONTAINER: Final = "preshard-fetch-config"
 MODEL_VOLUME: Final = "preshard-model"
 TENSORIZER_VOLUME: Final = "preshard-tensorizer"
-OWNED_VOLUMES: Final = (MODEL_VOLUME, TENSORIZER_VOLUME, ENCRYPTION_VOLUME)
+OWNED_VOLUMES: Final = (MODEL_VOLUME, TENSORIZER_VOLUME, ENCRYPTION_VOLUME, CA_BUNDLE_VOLUME)
 # Env vars preshard sets on the vLLM container (replacing any the user had).
 MANAGED_ENV: Final = (
     "AWS_ACCESS_KEY_ID",
@@ -88,6 +104,10 @@ MANAGED_ENV: Final = (
     "AWS_DEFAULT_REGION",
     "AWS_ENDPOINT_URL_S3",
 )
+# Set on the vLLM container only with `storage.caBundle`, then replacing any the user had:
+# tensorizer reads through `curl`, which trusts `CURL_CA_BUNDLE`; boto3 (its presigning client)
+# trusts `AWS_CA_BUNDLE`. Without a bundle, the user's own values stay.
+CA_BUNDLE_ENV: Final = ("CURL_CA_BUNDLE", "AWS_CA_BUNDLE")
 # Set on the vLLM container too, but merged with the user's value instead of replacing it.
 PYTHONPATH_ENV: Final = "PYTHONPATH"
 # The extended resources of the accelerators vLLM serves on, as their device plugins name them.
@@ -119,6 +139,11 @@ class TargetInput:
     container: str | None
     allow_controller_owned: bool = False
     """Patch it even when another controller owns the Deployment (`allowControllerOwned`)."""
+    shard_vllm_version: str | None = None
+    """The vLLM release that wrote the shard set (its status entry, else the serializer
+    image's); None when unknown."""
+    allow_vllm_version_mismatch: bool = False
+    """Patch it even when the server runs another vLLM release (`allowVllmVersionMismatch`)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +161,8 @@ class PatchedDeployment:
     deployment: Manifest
     overrides: tuple[str, ...]
     """Each value the user set in the vLLM command line that the patch replaces, in words."""
+    version_note: str | None = None
+    """What to tell the user about the vLLM versions: not checked, or allowed to differ."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +202,17 @@ def applied_artifact_key(deployment: Manifest) -> str | None:
     """The shard set this Deployment was last pointed at by preshard."""
     key: str | None = annotations_of(deployment).get(ANNOTATION_ARTIFACT_KEY)
     return key
+
+
+def patch_rounds_of(deployment: Manifest) -> Manifest | None:
+    """The record of how often the same patch was written (`ANNOTATION_PATCH_ROUNDS`); None
+    when there is none or it was mangled."""
+    return _recorded(annotations_of(deployment), ANNOTATION_PATCH_ROUNDS)
+
+
+def patch_rounds_record(record: Manifest) -> str:
+    """The annotation value of a record of patch rounds."""
+    return _compact(record)
 
 
 def choose_container(pod_spec: Manifest, wanted: str | None) -> Manifest | Refusal:
@@ -313,6 +351,9 @@ def patch_deployment(deployment: Manifest, target: TargetInput) -> PatchedDeploy
     chosen = choose_container(pod_spec, target.container)
     if isinstance(chosen, Refusal):
         return chosen
+    version_note = vllm_version_check(deployment, chosen, target)
+    if isinstance(version_note, Refusal):
+        return version_note
     annotations = annotations_of(deployment)
     users = chosen
     if ANNOTATION_ORIGINAL in annotations:
@@ -335,6 +376,7 @@ def patch_deployment(deployment: Manifest, target: TargetInput) -> PatchedDeploy
     _set_or_drop(chosen, "args", rewritten.args)
     _apply_container(chosen, target, gpu)
     _apply_pod(pod_spec, target)
+    _keep_tools_image(deployment, desired, chosen.get("name"))
 
     desired_annotations = desired.setdefault("metadata", {}).setdefault("annotations", {})
     applied = annotations.get(ANNOTATION_ARTIFACT_KEY)
@@ -351,7 +393,74 @@ def patch_deployment(deployment: Manifest, target: TargetInput) -> PatchedDeploy
             ANNOTATION_INPUT_HASH: input_hash(original, target, load),
         }
     )
-    return PatchedDeployment(desired, intended.overrides)
+    return PatchedDeployment(desired, intended.overrides, version_note)
+
+
+def serving_vllm_version(deployment: Manifest, container: Manifest) -> tuple[str | None, str]:
+    """The vLLM release the container serves with and where it was read, or None and why not.
+
+    The Deployment's `preshard.dev/vllm-version` annotation comes first: the user's word beats
+    a tag, which a custom image may use for versions of its own. Else the image's tag, when the
+    image is a vLLM one (its name holds `vllm`: `vllm/vllm-openai`, `rocm/vllm`, ...);
+    `latest`, a digest alone or another image's tag say nothing.
+    """
+    annotated = annotations_of(deployment).get(ANNOTATION_VLLM_VERSION)
+    if annotated is not None:
+        release = vllm_release(annotated)
+        if release is not None:
+            return release, f"the Deployment's annotation {ANNOTATION_VLLM_VERSION}"
+        return None, f"its annotation {ANNOTATION_VLLM_VERSION}={annotated!r} names no vLLM release"
+    image = str(container.get("image") or "")
+    repository = image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0]
+    tag = image_tag(image)
+    release = vllm_release(tag) if tag and "vllm" in repository.lower() else None
+    if release is not None:
+        return release, f"its image {image}"
+    return None, f"the image {image or '(none)'} names no vLLM release"
+
+
+def vllm_version_check(
+    deployment: Manifest, container: Manifest, target: TargetInput
+) -> str | Refusal | None:
+    """Whether the server runs the vLLM release that wrote the shards: a refusal when it does
+    not (unless the target allows it), a note when that cannot be told or is allowed.
+
+    Releases match when they are equal but for a build suffix (`identity.vllm_release`): vLLM's
+    model code decides the names, shapes and fusing of the serialized weights and may change in
+    any release, while the builds of one release for CUDA, ROCm or CPU share that code. An
+    unknown side is no reason to refuse: most images are tagged by release, and refusing
+    `latest` would refuse most first tries.
+    """
+    served, source = serving_vllm_version(deployment, container)
+    written = vllm_release(target.shard_vllm_version)
+    name = container.get("name")
+    key = target.shard_set.artifact_key
+    if served is None:
+        return (
+            f"the vLLM version could not be checked: {source} (set the Deployment's annotation "
+            f"{ANNOTATION_VLLM_VERSION} to the release container {name} runs; the shards were "
+            f"written by vLLM {written or 'of an unknown release'})"
+        )
+    if written is None:
+        return (
+            f"the vLLM version could not be checked: the vLLM release that wrote shard set {key} "
+            f"is not known (container {name} runs {served})"
+        )
+    if served == written:
+        return None
+    if target.allow_vllm_version_mismatch:
+        return (
+            f"container {name} runs vLLM {served} and shard set {key} was written by vLLM "
+            f"{written}: patched anyway (allowVllmVersionMismatch)"
+        )
+    return Refusal(
+        reasons.VLLM_VERSION_MISMATCH,
+        f"container {name} runs vLLM {served} (read from {source}) but shard set {key} was "
+        f"written by vLLM {written}: another release may name, shape or fuse the weights "
+        f"differently, and the server would fail to load them or load them wrong. Serve with "
+        f"vLLM {written}, set serialization.image to a serializer image on vLLM {served} (a new "
+        "shard set), or set allowVllmVersionMismatch: true on the target to patch it anyway",
+    )
 
 
 def build_restored_deployment(deployment: Manifest) -> Manifest | None:
@@ -403,7 +512,11 @@ def snapshot_original(pod_spec: Manifest, container: Manifest) -> Manifest:
 
 
 def input_hash(original: Manifest, target: TargetInput, load: TensorizerLoad) -> str:
-    """A hash of everything the patch is computed from, recorded on the Deployment."""
+    """A hash of everything the patch is computed from, recorded on the Deployment.
+
+    The tools image is not part of it: a new one alone is no reason to write (see
+    `_keep_tools_image`).
+    """
     inputs = {
         "original": original,
         "load": load.__dict__,
@@ -412,7 +525,6 @@ def input_hash(original: Manifest, target: TargetInput, load: TensorizerLoad) ->
         "encryption": target.spec.encryption.model_dump(by_alias=True)
         if target.spec.encryption
         else None,
-        "toolsImage": target.settings.tools_image,
         "gpu": target.spec.serialization.gpu_resource_name or target.settings.gpu_resource_name,
     }
     return hashlib.sha256(_compact(inputs).encode()).hexdigest()[:16]
@@ -431,13 +543,15 @@ def managed_view(deployment: Manifest, container_name: str | None) -> Manifest:
         (c for c in pod_spec.get("initContainers") or [] if c.get("name") == INIT_CONTAINER), None
     )
     return {
-        "annotations": {k: annotations.get(k) for k in OWNED_ANNOTATIONS if k != ANNOTATION_IMAGE},
+        "annotations": {
+            k: annotations.get(k) for k in OWNED_ANNOTATIONS if k not in RECORD_ANNOTATIONS
+        },
         "command": container.get("command"),
         "args": container.get("args"),
         "env": [
             e
             for e in container.get("env") or []
-            if e.get("name") in MANAGED_ENV or e.get("name") == PYTHONPATH_ENV
+            if e.get("name") in (*MANAGED_ENV, *CA_BUNDLE_ENV, PYTHONPATH_ENV)
         ],
         "limits": (container.get("resources") or {}).get("limits"),
         "requests": (container.get("resources") or {}).get("requests"),
@@ -516,11 +630,17 @@ def _apply_container(container: Manifest, target: TargetInput, gpu: str) -> None
     resources.setdefault("limits", {})[gpu] = tp
     if gpu in (resources.get("requests") or {}):
         resources["requests"][gpu] = tp
-    env = [e for e in container.get("env") or [] if e.get("name") not in MANAGED_ENV]
+    env = [
+        e
+        for e in container.get("env") or []
+        if e.get("name") not in MANAGED_ENV and not _is_ca_bundle_env(e, spec.storage)
+    ]
     env += s3_env(spec.storage)
     # tensorizer refuses a plain-http endpoint passed as an argument, but reads this one; and
     # without either it would fall back to its own default store, not the region's AWS one.
     env.append({"name": "AWS_ENDPOINT_URL_S3", "value": s3_endpoint_url(spec.storage)})
+    if spec.storage.ca_bundle is not None:
+        env += [{"name": name, "value": CA_BUNDLE_PATH} for name in CA_BUNDLE_ENV]
     env = _with_tensorizer_on_path(env, target.settings.tensorizer_dir)
     env = _in_current_order(env, container.get("env"), lambda e: e.get("name"))
     _set_or_drop(container, "env", env or None)
@@ -531,6 +651,8 @@ def _apply_container(container: Manifest, target: TargetInput, gpu: str) -> None
     )
     if spec.encryption is not None:
         mounts.append(encryption_mount())
+    if spec.storage.ca_bundle is not None:
+        mounts.append(ca_bundle_mount())
     container["volumeMounts"] = _in_current_order(
         mounts, container.get("volumeMounts"), lambda m: (m.get("name"), m.get("mountPath"))
     )
@@ -556,6 +678,7 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
         "volumeMounts": [
             {"name": MODEL_VOLUME, "mountPath": settings.model_dir},
             {"name": TENSORIZER_VOLUME, "mountPath": settings.tensorizer_dir},
+            *([ca_bundle_mount()] if spec.storage.ca_bundle is not None else []),
         ],
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -574,9 +697,48 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
     volumes.append({"name": TENSORIZER_VOLUME, "emptyDir": {}})
     if spec.encryption is not None:
         volumes.append(encryption_volume(spec.encryption))
+    if spec.storage.ca_bundle is not None:
+        volumes.append(ca_bundle_volume(spec.storage.ca_bundle))
     pod_spec["volumes"] = _in_current_order(
         volumes, pod_spec.get("volumes"), lambda v: v.get("name")
     )
+
+
+def _is_ca_bundle_env(entry: Manifest, storage: models.Storage) -> bool:
+    """Whether a CA variable of the container is replaced: any of them when the store has a
+    bundle, else only one preshard set earlier (the bundle was removed from the spec)."""
+    if entry.get("name") not in CA_BUNDLE_ENV:
+        return False
+    return storage.ca_bundle is not None or entry.get("value") == CA_BUNDLE_PATH
+
+
+def _keep_tools_image(current: Manifest, desired: Manifest, container_name: object) -> None:
+    """Give preshard's init container back the image it has, unless more of the patch changes.
+
+    The tools image follows the operator's version. Writing a new one alone would restart every
+    patched vLLM pod on each operator upgrade for nothing: the same `fetch-config` arguments do
+    the same work. It moves with the next write the patch needs for another reason.
+    """
+    have, want = _fetch_config(current), _fetch_config(desired)
+    if have is None or want is None or have.get("image") in (None, want.get("image")):
+        return
+    newer = want["image"]
+    want["image"] = have["image"]
+    name = container_name if isinstance(container_name, str) else None
+    if _template_view(desired, name) != _template_view(current, name):
+        want["image"] = newer
+
+
+def _fetch_config(deployment: Manifest) -> Manifest | None:
+    pod_spec: Manifest = (deployment.get("spec") or {}).get("template", {}).get("spec") or {}
+    return next(
+        (c for c in pod_spec.get("initContainers") or [] if c.get("name") == INIT_CONTAINER), None
+    )
+
+
+def _template_view(deployment: Manifest, container_name: str | None) -> Manifest:
+    """The managed fields of the pod template (preshard's annotations left out)."""
+    return {k: v for k, v in managed_view(deployment, container_name).items() if k != "annotations"}
 
 
 def _in_current_order(

@@ -16,7 +16,7 @@ from preshard import reasons
 from preshard.api import models
 from preshard.builders import jobs, target
 from preshard.builders.common import Manifest, Owner, ShardSet
-from preshard.identity import artifact_key
+from preshard.identity import serializer_vllm_version, shard_set_key
 from preshard.settings import Settings, SettingsError
 
 Subparsers = argparse._SubParsersAction
@@ -159,10 +159,9 @@ def _render(args: argparse.Namespace) -> int:
             refused = True
             continue
         owner = Owner(name=name, namespace=namespace, uid=str(metadata.get("uid", "")))
-        image = spec.serialization.image or settings.serializer_image
         sets = {
             tp: ShardSet.for_spec(
-                spec, tp, artifact_key(spec, tp, namespace=namespace, serializer_image=image)
+                spec, tp, shard_set_key(spec, tp, namespace=namespace, settings=settings)
             )
             for tp in spec.tensor_parallel_sizes
         }
@@ -202,6 +201,9 @@ def _render(args: argparse.Namespace) -> int:
                     settings=settings,
                     container=spec_target.container,
                     allow_controller_owned=spec_target.allow_controller_owned,
+                    # No status here: the version the serializer image's reference names.
+                    shard_vllm_version=serializer_vllm_version(spec, settings),
+                    allow_vllm_version_mismatch=spec_target.allow_vllm_version_mismatch,
                 ),
             )
             deployment_name = (deployment.get("metadata") or {}).get("name")
@@ -216,6 +218,8 @@ def _render(args: argparse.Namespace) -> int:
                     f"Deployment {deployment_name}: {reasons.ARGS_OVERRIDDEN}: "
                     f"{target.overrides_line(patched.overrides)}\n"
                 )
+            if patched.version_note:
+                sys.stderr.write(f"Deployment {deployment_name}: {patched.version_note}\n")
             output.append(patched.deployment)
     sys.stdout.write(yaml.safe_dump_all(output, sort_keys=False, width=100))
     return 1 if refused else 0

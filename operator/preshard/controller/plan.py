@@ -34,7 +34,7 @@ from preshard.builders import jobs, target
 from preshard.builders.common import Manifest, Owner, ShardSet, child_name
 from preshard.builders.rollout import Rollout, rollout_of, template_digests
 from preshard.controller.observe import JobView, TargetPodView
-from preshard.identity import artifact_key
+from preshard.identity import serializer_vllm_version, shard_set_key
 from preshard.layout import shard_set_location
 from preshard.outcome import Outcome
 from preshard.settings import Settings
@@ -62,6 +62,11 @@ MESSAGE_LIMIT: Final = 1024
 # Target states whose Deployment loads its set (TargetsPatched), and those that need a person.
 PATCHED_STATES: Final = frozenset({"Patched", "RollingOut", "Unavailable"})
 TROUBLED_STATES: Final = frozenset({"Refused", "Conflict", "NotFound", "Unavailable", "RolledBack"})
+# The same patch (same inputs, spec generation and retry value) is written at most this many
+# times within the window; when something reverts it once more, the target is refused
+# (TargetReverted) instead of restarting its GPU pods round after round.
+PATCH_ROUNDS: Final = 3
+PATCH_ROUNDS_WINDOW: Final = timedelta(minutes=10)
 
 EventType = Literal["Normal", "Warning"]
 
@@ -173,7 +178,6 @@ class _Planner:
         self.now = observed.now
         self.stamp = timestamp(observed.now)
         self.plan = Plan(status=resource.status)
-        self.image = self.spec.serialization.image or settings.serializer_image
         self.previous = {e.artifact_key: e for e in resource.status.shard_sets}
         # Sets a Deployment loads now, or its old pods load until its rollout completes.
         self.in_use: set[str] = set()
@@ -208,7 +212,7 @@ class _Planner:
 
     def _key(self, tp: int) -> str:
         owner = self.resource.owner
-        return artifact_key(self.spec, tp, namespace=owner.namespace, serializer_image=self.image)
+        return shard_set_key(self.spec, tp, namespace=owner.namespace, settings=self.settings)
 
     # One shard set ---------------------------------------------------------------------------
 
@@ -648,6 +652,7 @@ class _Planner:
                     "rollout": rollout_of(deployment).summary if applied else None,
                 }
             )
+        serving_entry = entries.get(serving.artifact_key)
         target_input = target.TargetInput(
             owner=self.resource.owner,
             spec=self.spec,
@@ -655,6 +660,9 @@ class _Planner:
             settings=self.settings,
             container=spec_target.container,
             allow_controller_owned=spec_target.allow_controller_owned,
+            shard_vllm_version=(serving_entry.vllm_version if serving_entry else None)
+            or serializer_vllm_version(self.spec, self.settings),
+            allow_vllm_version_mismatch=spec_target.allow_vllm_version_mismatch,
         )
         patched = target.patch_deployment(deployment, target_input)
         if isinstance(patched, target.Refusal):
@@ -669,7 +677,11 @@ class _Planner:
         status = self._patched_target(
             name, spec_target, deployment, patched.deployment, base, serving, wanted
         )
-        return self._with_overrides(status, patched.overrides)
+        if status.state == "Refused":
+            return status
+        return self._with_line(
+            self._with_overrides(status, patched.overrides), patched.version_note
+        )
 
     def _patched_target(
         self,
@@ -706,6 +718,10 @@ class _Planner:
         if target.managed_view(desired, container_name) != target.managed_view(
             deployment, container_name
         ):
+            rounds = self._patch_rounds(name, deployment, desired)
+            if rounds is None:
+                return self._reverted(name, deployment, base)
+            target.annotations_of(desired)[target.ANNOTATION_PATCH_ROUNDS] = rounds
             self.plan.patches.append(
                 DeploymentPatch(
                     name=name,
@@ -741,6 +757,63 @@ class _Planner:
                 }
             )
         return self._rollout_state(name, spec_target, deployment, base, serving, rollout)
+
+    def _patch_rounds(self, name: str, deployment: Manifest, desired: Manifest) -> str | None:
+        """The record of patch rounds to write with this patch; None when writing it again
+        would be one round too many.
+
+        A round is a write of the same patch: the same inputs (`preshard.dev/input-hash`), spec
+        generation and retry value. Only a revert of the patch (a GitOps tool's, or a hand edit
+        of a managed field) makes preshard write the same patch again; a changed input starts
+        over at one. Once refused, it stays refused for the same record, however long ago the
+        rounds were: a new spec generation or retry value tries again.
+        """
+        record = target.patch_rounds_of(deployment)
+        wanted = {
+            "inputHash": target.annotations_of(desired).get(target.ANNOTATION_INPUT_HASH),
+            "generation": self.resource.generation,
+            "retry": self.resource.annotations.get(ANNOTATION_RETRY),
+        }
+        same = record is not None and all(record.get(k) == v for k, v in wanted.items())
+        previous = next((t for t in self.resource.status.targets if t.name == name), None)
+        if same and previous is not None and previous.reason == reasons.TARGET_REVERTED:
+            return None
+        since = _time_of(record.get("since")) if same and record else None
+        count = record.get("count") if same and record else None
+        if since is None or not isinstance(count, int) or self.now - since > PATCH_ROUNDS_WINDOW:
+            since, count = self.now, 0
+        if count >= PATCH_ROUNDS:
+            return None
+        return target.patch_rounds_record({**wanted, "count": count + 1, "since": timestamp(since)})
+
+    def _reverted(self, name: str, deployment: Manifest, base: TargetStatus) -> TargetStatus:
+        """A target whose patch something keeps reverting: left as that writer made it."""
+        record = target.patch_rounds_of(deployment) or {}
+        minutes = int(PATCH_ROUNDS_WINDOW.total_seconds() // 60)
+        return base.model_copy(
+            update={
+                "state": "Refused",
+                "reason": reasons.TARGET_REVERTED,
+                "message": _clip(
+                    f"the patch of Deployment {name} was undone {record.get('count', '?')} times "
+                    f"within {minutes} minutes of its first write: something else (Argo CD or "
+                    "Flux with self-heal, another controller, a script) puts its own pod "
+                    "template back. preshard stops patching it rather than restart its GPU pods "
+                    "each round, and leaves it as that writer made it. Make the two coexist: "
+                    "have that tool ignore the fields preshard manages (Argo CD: "
+                    "ignoreDifferences with managedFieldsManagers: [preshard] and "
+                    "RespectIgnoreDifferences=true; see the GitOps section of docs/install.md), "
+                    f"then set a new {ANNOTATION_RETRY} value or change the spec to patch again"
+                ),
+                "rollout": rollout_of(deployment).summary,
+            }
+        )
+
+    def _with_line(self, status: TargetStatus, line: str | None) -> TargetStatus:
+        """The status with one more line in its message (clipped to fit)."""
+        if line is None or status.state == "RolledBack":
+            return status
+        return status.model_copy(update={"message": _clip(f"{status.message}\n{line}")})
 
     def _with_overrides(self, status: TargetStatus, overrides: tuple[str, ...]) -> TargetStatus:
         """The status with a line on what the patch changed of the user's command line, and a
@@ -1068,6 +1141,14 @@ def _image_note(deployment: Manifest, container_name: str | None) -> str | None:
             "pointed at; check that it runs the vLLM version the shards were made with"
         )
     return None
+
+
+def _time_of(value: object) -> datetime | None:
+    """A time preshard recorded (`timestamp`); None when it is not one."""
+    try:
+        return parse_time(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def _running_reason(kind: str, stage: Stage) -> str:

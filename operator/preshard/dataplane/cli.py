@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import signal
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ environment:
                         the S3 endpoint when --endpoint is not given (http:// works)
   AWS_REGION, AWS_DEFAULT_REGION
                         the region when --region is not given
+  AWS_CA_BUNDLE         the CA bundle when --ca-bundle is not given
   PRESHARD_TERMINATION_LOG
                         where the outcome goes when --termination-log is not given
                         (default /dev/termination-log)
@@ -82,6 +84,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     group = common.add_argument_group("common options")
     group.add_argument("--endpoint", metavar="URL", help="S3 endpoint URL (http:// or https://)")
     group.add_argument("--region", metavar="REGION", help="S3 region")
+    group.add_argument(
+        "--ca-bundle",
+        metavar="PATH",
+        help="PEM file of the CAs to trust for the endpoint's TLS certificate (default: "
+        "$AWS_CA_BUNDLE, else boto3's public CAs)",
+    )
+    group.add_argument(
+        "--addressing-style",
+        default="auto",
+        metavar="auto|path|virtual",
+        help="bucket in the path or in the host name (default auto: boto3's choice)",
+    )
     group.add_argument(
         "--termination-log",
         metavar="PATH",
@@ -531,15 +545,39 @@ def _client(
     botocore_attempts: int = 4,
     sign_payloads: bool = True,
 ) -> S3Client:
-    from preshard.dataplane.s3 import make_client  # noqa: PLC0415 - imports boto3
+    from preshard.dataplane.s3 import ADDRESSING_STYLES, make_client  # noqa: PLC0415 - boto3
 
+    style = next((s for s in ADDRESSING_STYLES if s == args.addressing_style), None)
+    if style is None:
+        raise _invalid(
+            f"--addressing-style {args.addressing_style!r} is not one of "
+            f"{', '.join(ADDRESSING_STYLES)}"
+        )
     return make_client(
         endpoint=args.endpoint,
         region=args.region,
         max_connections=max_connections,
         botocore_attempts=botocore_attempts,
         sign_payloads=sign_payloads,
+        ca_bundle=_ca_bundle(args.ca_bundle),
+        addressing_style=style,
     )
+
+
+def _ca_bundle(path: str | None) -> str | None:
+    """The `--ca-bundle` file, checked before any request: a missing or unreadable file, or
+    one without a PEM certificate, would otherwise fail every request with a library error."""
+    if path is None:
+        return None
+    try:
+        ssl.create_default_context(cafile=path)
+    except ssl.SSLError:
+        raise _invalid(f"--ca-bundle {path}: holds no PEM CA certificate") from None
+    except FileNotFoundError:
+        raise _invalid(f"--ca-bundle {path}: no such file") from None
+    except OSError as error:
+        raise _invalid(f"--ca-bundle {path}: cannot be read ({error.strerror})") from None
+    return path
 
 
 def _transfer_settings(args: argparse.Namespace) -> TransferSettings:

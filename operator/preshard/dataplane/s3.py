@@ -2,17 +2,21 @@
 
 Credentials come only from boto3's default chain (environment, web identity, config files);
 the endpoint from `--endpoint` or boto3's own `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`.
-Plain `http://` endpoints work: boto3 does not force TLS on an endpoint it is given.
+Plain `http://` endpoints work: boto3 does not force TLS on an endpoint it is given. A store
+behind a private CA is trusted through `--ca-bundle` (or boto3's own `AWS_CA_BUNDLE`); an
+endpoint whose certificate is not trusted fails at once with its own message, not retried.
 """
 
 from __future__ import annotations
 
 import random
+import ssl
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, TypeVar
+from typing import TYPE_CHECKING, Final, Literal, TypeVar
+from urllib.parse import urlsplit
 
 from preshard import __version__, reasons
 from preshard.dataplane.errors import DataplaneError, classify_s3_error, is_transient, s3_error_code
@@ -26,6 +30,8 @@ T = TypeVar("T")
 
 CONNECT_TIMEOUT_S: Final = 10
 READ_TIMEOUT_S: Final = 120
+AddressingStyle = Literal["auto", "path", "virtual"]
+ADDRESSING_STYLES: Final[tuple[AddressingStyle, ...]] = ("auto", "path", "virtual")
 
 
 @dataclass(frozen=True)
@@ -49,9 +55,15 @@ def make_client(
     max_connections: int = 10,
     botocore_attempts: int = 4,
     sign_payloads: bool = True,
+    ca_bundle: str | None = None,
+    addressing_style: AddressingStyle = "auto",
 ) -> S3Client:
     """An S3 client for one command: pooled connections, bounded timeouts, no credentials
     passed in (boto3 finds them). `botocore_attempts=1` leaves retries to the caller.
+
+    `ca_bundle`: a PEM file of the CAs that sign the endpoint's certificate (a private CA of
+    MinIO or Ceph); without it, boto3's default (`AWS_CA_BUNDLE`, else its public CAs).
+    `addressing_style`: `path`, `virtual` or boto3's own choice (`auto`).
 
     `sign_payloads=False` is for the uploader's client, whose objects and parts each carry a
     CRC32 header the server checks: botocore would otherwise also hash every body with SHA-256
@@ -72,12 +84,62 @@ def make_client(
         # streaming trailer checksums cost the server a chunked decode for nothing more.
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
-        s3={"payload_signing_enabled": sign_payloads},
+        s3={"payload_signing_enabled": sign_payloads, "addressing_style": addressing_style},
     )
     session = boto3.session.Session()
     return session.client(
-        "s3", endpoint_url=endpoint or None, region_name=region or None, config=config
+        "s3",
+        endpoint_url=endpoint or None,
+        region_name=region or None,
+        config=config,
+        verify=ca_bundle or None,
     )
+
+
+def untrusted_certificate(exc: BaseException, what: str) -> DataplaneError | None:
+    """A clear `Unreachable` for an endpoint whose TLS certificate is not trusted, or None.
+
+    Retrying cannot help until the trust changes, and the library's message (a URL and an
+    OpenSSL line) does not say what to do; only the verification's own words are quoted.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            endpoint = _origin(getattr(exc, "kwargs", {}).get("endpoint_url"))
+            detail = cause.verify_message or cause.reason or "certificate verify failed"
+            return DataplaneError(
+                reasons.UNREACHABLE,
+                f"the TLS certificate of {endpoint} is not trusted ({detail}) while {what}: "
+                "give the CA that signs it in storage.caBundle (--ca-bundle)",
+            )
+        cause = cause.__cause__ or cause.__context__ or _wrapped(cause)
+    return None
+
+
+def classify_transport_error(exc: BaseException, what: str) -> DataplaneError:
+    """`classify_s3_error`, with an untrusted TLS certificate named as such."""
+    return untrusted_certificate(exc, what) or classify_s3_error(exc, what)
+
+
+def _origin(url: object) -> str:
+    """`scheme://host:port` of a request URL (not its bucket and key), for a message."""
+    parts = urlsplit(url) if isinstance(url, str) else None
+    return f"{parts.scheme}://{parts.netloc}" if parts and parts.netloc else "the S3 endpoint"
+
+
+def _wrapped(exc: BaseException) -> BaseException | None:
+    # urllib3 and botocore keep the original error as an argument, not always as the cause.
+    for attr in ("reason", "error"):
+        inner = getattr(exc, attr, None)
+        if isinstance(inner, BaseException):
+            return inner
+    inner_kwargs = getattr(exc, "kwargs", None)
+    if isinstance(inner_kwargs, dict) and isinstance(inner_kwargs.get("error"), BaseException):
+        found: BaseException = inner_kwargs["error"]
+        return found
+    return None
 
 
 def call_with_retries(
@@ -98,6 +160,9 @@ def call_with_retries(
         except DataplaneError:
             raise
         except Exception as exc:
+            untrusted = untrusted_certificate(exc, what)
+            if untrusted is not None:
+                raise untrusted from exc
             if not is_transient(exc) or attempt >= policy.attempts or (stop and stop.is_set()):
                 raise classify_s3_error(exc, what) from exc
             delay = policy.delay(attempt)
@@ -132,7 +197,7 @@ def list_sizes(client: S3Client, location: S3Location) -> dict[str, int]:
             for obj in page.get("Contents", []):
                 sizes[obj["Key"][len(base) :]] = int(obj["Size"])
     except Exception as exc:
-        raise classify_s3_error(exc, f"listing {location.uri}") from exc
+        raise classify_transport_error(exc, f"listing {location.uri}") from exc
     return sizes
 
 
@@ -146,7 +211,7 @@ def get_small_object(client: S3Client, location: S3Location, name: str) -> bytes
         code, status = s3_error_code(exc)
         if code in ("NoSuchKey", "404") or (status == 404 and code != "NoSuchBucket"):
             return None
-        raise classify_s3_error(exc, f"reading s3://{location.bucket}/{key}") from exc
+        raise classify_transport_error(exc, f"reading s3://{location.bucket}/{key}") from exc
 
 
 def require_prefix(location: S3Location, what: str) -> None:

