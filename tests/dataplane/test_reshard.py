@@ -16,60 +16,32 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 import pytest
 import torch
 
-from preshard.devenv import engine
+from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
+from preshard.devenv import engine, procs
 from preshard.devenv.s3server import S3Server
-from preshard.layout import S3Location
-from preshard.outcome import Outcome
+from preshard.layout import tensorizer_uri
 from tests.support.commands import pod_env, run_preshard
-from tests.support.models import TinyModel, load_rank_files, make_tiny_model, upload_model
+from tests.support.models import (
+    StoredSet,
+    TinyModel,
+    load_rank_files,
+    make_tiny_model,
+    upload_model,
+)
 from tests.support.s3 import S3Bucket
+from tests.support.vllm_sets import OMP_BIND, reshard_set, serialize_with_vllm
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(1800)]
 
 TP_SIZES: Final = (1, 2, 4)
 VOCAB: Final = 500
-OMP_BIND: Final = {1: "0|1", 2: "0|1", 4: "0|1|0|1"}
-
-
-@dataclass(frozen=True)
-class StoredSet:
-    """A shard set in S3, as its manifest describes it, and its rank files fetched here."""
-
-    location: S3Location
-    outcome: Outcome
-    manifest: dict[str, object]
-    rank_files: list[Path]
-
-    def sha256(self) -> dict[str, str]:
-        """Each rank file's sha256 as the manifest records it."""
-        files = self.manifest["files"]
-        assert isinstance(files, list)
-        return {f["name"]: f["sha256"] for f in files if f["kind"] == "shard"}
-
-
-def fetch(bucket: S3Bucket, location: S3Location, outcome: Outcome, directory: Path) -> StoredSet:
-    """The manifest and rank files of a stored set."""
-    directory.mkdir(parents=True, exist_ok=True)
-    manifest = json.loads(
-        bucket.client.get_object(Bucket=bucket.name, Key=location.key("manifest.json"))[
-            "Body"
-        ].read()
-    )
-    paths = []
-    for rank in range(int(manifest["tensorParallelSize"])):
-        name = f"model-rank-{rank:03d}.tensors"
-        bucket.client.download_file(bucket.name, location.key(name), str(directory / name))
-        paths.append(directory / name)
-    return StoredSet(location, outcome, manifest, paths)
 
 
 @pytest.fixture(scope="module")
@@ -88,41 +60,10 @@ def vllm_sets(
     """The tiny model serialized by vLLM at each TP size, as `preshard serialize` stores it."""
     work = tmp_path_factory.mktemp("vllm-sets")
     source = upload_model(model, s3_bucket.client, s3_bucket.name, "models/reshard")
-    sets = {}
-    for tp in TP_SIZES:
-        key = f"vllm-tp{tp}"
-        location = S3Location.parse(f"s3://{s3_bucket.name}/reshard/{key}/")
-        env = {
-            **pod_env(s3_server, work / f"home-{tp}"),
-            **engine.serializer_image().env,
-            "VLLM_CPU_OMP_THREADS_BIND": OMP_BIND[tp],
-        }
-        outcome = run_preshard(
-            engine.engine_bin() / "preshard",
-            [
-                "serialize",
-                "--model",
-                source,
-                "--tensor-parallel-size",
-                str(tp),
-                "--dtype",
-                "float32",
-                "--max-model-len",
-                "256",
-                "--dest",
-                location.uri,
-                "--artifact-key",
-                key,
-                "--scratch-dir",
-                str(work / f"scratch-{tp}"),
-            ],
-            env,
-            work / f"serialize-{tp}.log",
-            timeout=900,
-        )
-        assert outcome.vllm_version == "0.32.0"
-        sets[tp] = fetch(s3_bucket, location, outcome, work / f"vllm-{tp}")
-    return sets
+    return {
+        tp: serialize_with_vllm(s3_server, s3_bucket, source, tp, f"vllm-tp{tp}", work)
+        for tp in TP_SIZES
+    }
 
 
 @pytest.fixture(scope="module")
@@ -135,37 +76,12 @@ def resharded(
     """Every vLLM set resharded to every other TP size, by `preshard reshard` in the serializer
     image's environment, then verified (`--deep`) by the tools image's."""
     work = tmp_path_factory.mktemp("resharded")
-    tools = Path(sys.executable).with_name("preshard")
-    made = {}
-    for source_tp, target_tp in itertools.permutations(TP_SIZES, 2):
-        name = f"from{source_tp}-to{target_tp}"
-        location = S3Location.parse(f"s3://{s3_bucket.name}/reshard/{name}/")
-        env = {**pod_env(s3_server, work / f"home-{name}"), **engine.serializer_image().env}
-        outcome = run_preshard(
-            engine.engine_bin() / "preshard",
-            [
-                "reshard",
-                vllm_sets[source_tp].location.uri,
-                "--to-tensor-parallel-size",
-                str(target_tp),
-                "--dest",
-                location.uri,
-                "--scratch-dir",
-                str(work / f"scratch-{name}"),
-            ],
-            env,
-            work / f"reshard-{name}.log",
-            timeout=300,
+    return {
+        (source, target): reshard_set(
+            s3_server, s3_bucket, vllm_sets[source], target, f"from{source}-to{target}", work
         )
-        run_preshard(
-            tools,
-            ["verify", location.uri, "--tensor-parallel-size", str(target_tp), "--deep"],
-            {**pod_env(s3_server, work / "tools-home"), **engine.tools_env()},
-            work / f"verify-{name}.log",
-            timeout=120,
-        )
-        made[source_tp, target_tp] = fetch(s3_bucket, location, outcome, work / name)
-    return made
+        for source, target in itertools.permutations(TP_SIZES, 2)
+    }
 
 
 PAIRS: Final = list(itertools.permutations(TP_SIZES, 2))
@@ -232,3 +148,70 @@ def test_the_manifest_records_the_set_it_was_made_from(
     for field in ("model", "dtype", "vllmVersion", "encrypted"):
         assert made.manifest[field] == vllm_sets[2].manifest[field], field
     assert "reshardedFrom" not in vllm_sets[2].manifest
+
+
+SERVED: Final = "org/reshard"
+PROMPTS: Final = ((5, 17, 33, 100), (300, 4, 77))
+
+
+def test_vllm_serves_a_set_resharded_to_tp_4_as_the_original_model(
+    model: TinyModel,
+    resharded: dict[tuple[int, int], StoredSet],
+    s3_server: S3Server,
+    tmp_path: Path,
+) -> None:
+    """The TP 2 set resharded to TP 4 (KV heads replicated), fetched as the init container
+    does and served with the command line preshard writes, answers as the original model."""
+    made = resharded[2, 4]
+    tools_env = {**pod_env(s3_server, tmp_path / "tools-home"), **engine.tools_env()}
+    model_dir, tensorizer_dir = tmp_path / "model", tmp_path / "tensorizer"
+    run_preshard(
+        Path(sys.executable).with_name("preshard"),
+        [
+            "fetch-config",
+            made.location.uri,
+            str(model_dir),
+            "--tensorizer-dir",
+            str(tensorizer_dir),
+        ],
+        tools_env,
+        tmp_path / "fetch-config.log",
+        timeout=120,
+    )
+    original = engine.VllmServer.start(
+        str(model.path), tmp_path / "baseline", served_model_name=SERVED
+    )
+    try:
+        expected = {p: engine.complete(original.url(""), SERVED, p) for p in PROMPTS}
+    finally:
+        original.stop()
+    port = procs.free_port()
+    load = TensorizerLoad(
+        model_dir=str(model_dir),
+        tensor_parallel_size=4,
+        tensorizer_uri=tensorizer_uri(made.location, 4),
+        num_readers=8,
+    )
+    rewritten = rewrite_vllm_command(
+        ["vllm", "serve"], [SERVED, "--port", str(port), *engine.VLLM_CPU_ARGS], load
+    )
+    env = {
+        **pod_env(s3_server, tmp_path / "home"),
+        **engine.VLLM_CPU_ENV,
+        "VLLM_CPU_OMP_THREADS_BIND": OMP_BIND[4],
+        "PYTHONPATH": str(tensorizer_dir),
+    }
+    argv = [str(engine.engine_bin() / "vllm"), "serve", *(rewritten.args or [])]
+    process = procs.start("vllm-resharded-tp4", argv, tmp_path, env=env)
+    try:
+        procs.wait_until(
+            lambda: procs.http_ok(f"http://127.0.0.1:{port}/health"),
+            timeout=engine.HEALTH_TIMEOUT,
+            what="vllm serve of the resharded TP 4 set to answer /health",
+            process=process,
+            interval=1.0,
+        )
+        for prompt, answer in expected.items():
+            assert engine.complete(f"http://127.0.0.1:{port}", SERVED, prompt) == answer
+    finally:
+        process.stop()

@@ -9,6 +9,7 @@ tensor exactly with the checkpoint.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from preshard.devenv.tinymodel import CONFIG_FILES, write_tiny_llama
+from preshard.layout import S3Location
+from preshard.outcome import Outcome
 from tests.support.engine import cast, load_checkpoint, split_dim
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
+
+    from tests.support.s3 import S3Bucket
 
 
 @dataclass(frozen=True)
@@ -123,3 +128,37 @@ def assert_shards_match(
                 f"{name}: got {got.dtype} {tuple(got.shape)}, expected {tensor.dtype} "
                 f"{tuple(tensor.shape)} (or the values differ)"
             )
+
+
+@dataclass(frozen=True)
+class StoredSet:
+    """A shard set in S3, as its manifest describes it, and its rank files fetched here."""
+
+    location: S3Location
+    outcome: Outcome
+    manifest: dict[str, object]
+    rank_files: list[Path]
+
+    def sha256(self) -> dict[str, str]:
+        """Each rank file's sha256 as the manifest records it."""
+        files = self.manifest["files"]
+        assert isinstance(files, list)
+        return {f["name"]: f["sha256"] for f in files if f["kind"] == "shard"}
+
+
+def fetch_set(
+    bucket: S3Bucket, location: S3Location, outcome: Outcome, directory: Path
+) -> StoredSet:
+    """The manifest and rank files of a stored set."""
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads(
+        bucket.client.get_object(Bucket=bucket.name, Key=location.key("manifest.json"))[
+            "Body"
+        ].read()
+    )
+    paths = []
+    for rank in range(int(manifest["tensorParallelSize"])):
+        name = f"model-rank-{rank:03d}.tensors"
+        bucket.client.download_file(bucket.name, location.key(name), str(directory / name))
+        paths.append(directory / name)
+    return StoredSet(location, outcome, manifest, paths)

@@ -264,6 +264,9 @@ def test_model_shape_reads_the_config() -> None:
     )
     assert mistral_nemo.head_dim == 128  # not 5120 / 32
     assert model_shape(LLAMA_CONFIG | {"head_dim": None}).head_dim == 128
+    # vLLM's Qwen2 divides whatever the config says.
+    qwen2 = model_shape(LLAMA_CONFIG | {"architectures": ["Qwen2ForCausalLM"], "head_dim": 64})
+    assert qwen2.head_dim == 128
     no_kv = {k: v for k, v in LLAMA_CONFIG.items() if k != "num_key_value_heads"}
     assert model_shape(no_kv).num_kv_heads == 32
 
@@ -272,7 +275,7 @@ def test_model_shape_reads_the_config() -> None:
     ("change", "words"),
     [
         ({"architectures": ["Qwen2MoeForCausalLM"]}, "Qwen2MoeForCausalLM is not one"),
-        ({"architectures": ["Qwen2ForCausalLM"]}, "has not been checked"),
+        ({"architectures": ["Qwen3ForCausalLM"]}, "has not been checked"),
         ({"architectures": ["LlamaForCausalLM", "MistralForCausalLM"]}, "exactly one"),
         ({"architectures": None}, "exactly one"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),

@@ -190,10 +190,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "config files are downloaded to DIR/source (each checked against its sha256), the\n"
             "new rank files written to DIR/shards one tensor at a time, then stored at --dest\n"
             "with the config files and a manifest.json, written last, that names the source.\n"
-            "Llama-family models (LlamaForCausalLM, MistralForCausalLM) in float32, float16 or\n"
-            "bfloat16; quantized, MoE and other models are refused (ReshardUnsupported). An\n"
-            "encrypted set needs its key and is written encrypted with the same key. --dest\n"
-            "ends with the artifact key (--artifact-key, default: its last path segment)."
+            "LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM models in float32,\n"
+            "float16 or bfloat16; quantized, MoE and other models are refused\n"
+            "(ReshardUnsupported). An encrypted set needs its key and is written encrypted\n"
+            "with the same key. --dest ends with the artifact key (--artifact-key, default:\n"
+            "its last path segment)."
         ),
         epilog=_COMMON_ENV
         + "\n"

@@ -283,11 +283,14 @@ class ModelShape:
         return None
 
 
-# The architectures whose vLLM model classes build exactly the modules above (llama.py, and
-# mistral.py, which subclasses it); both take `head_dim` from the config when it is set, else
-# hidden_size / num_attention_heads. Qwen2 builds the same layers but always divides, and has
-# not been compared with vLLM's files.
-SUPPORTED_ARCHITECTURES: Final = ("LlamaForCausalLM", "MistralForCausalLM")
+# The architectures whose vLLM model classes build exactly the modules above: llama.py, and
+# mistral.py, which subclasses it, take `head_dim` from the config when it is set, else
+# hidden_size / num_attention_heads; qwen2.py builds the same layers (with a bias on
+# `qkv_proj`) but always divides, whatever the config says. Each is compared with vLLM's own
+# files (tests/dataplane/test_reshard.py, test_reshard_qwen2.py). Qwen2's optional QK norms
+# (`qk_norm`) are tensors this table does not know, so such a model is refused.
+SUPPORTED_ARCHITECTURES: Final = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+HEAD_DIM_FROM_CONFIG: Final = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
 
 
 def model_shape(config: Mapping[str, object]) -> ModelShape:
@@ -318,7 +321,7 @@ def model_shape(config: Mapping[str, object]) -> ModelShape:
     head_dim_value = config.get("head_dim")
     head_dim = (
         _positive(config, "head_dim")
-        if head_dim_value is not None
+        if head_dim_value is not None and architecture in HEAD_DIM_FROM_CONFIG
         else _whole(hidden, heads, "hidden_size / num_attention_heads")
     )
     return ModelShape(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 CONFIG_FILES: Final = (
     "config.json",
@@ -17,6 +17,11 @@ CONFIG_FILES: Final = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
+
+
+Architecture = Literal["llama", "qwen2"]
+# The two layouts the tiny model takes: Qwen2 is Llama's with biases on q, k and v.
+ARCHITECTURES: Final[dict[str, str]] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def llama_config(
@@ -28,11 +33,12 @@ def llama_config(
     kv_heads: int,
     vocab: int,
     tie_word_embeddings: bool = False,
+    architecture: Architecture = "llama",
 ) -> dict[str, object]:
-    """A `LlamaForCausalLM` config.json of the given shape."""
+    """A `LlamaForCausalLM` (or `Qwen2ForCausalLM`) config.json of the given shape."""
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[architecture]],
+        "model_type": architecture,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
         "num_hidden_layers": layers,
@@ -63,6 +69,7 @@ def write_tiny_llama(
     seed: int = 0,
     scale: float = 0.02,
     tie_word_embeddings: bool = False,
+    architecture: Architecture = "llama",
 ) -> tuple[str, ...]:
     """Write a deterministic Llama-shaped model into `directory` (about 3 MB by default) and
     return the names of its weight files.
@@ -95,6 +102,12 @@ def write_tiny_llama(
             f"{p}.input_layernorm.weight": 1 + weight(hidden_size),
             f"{p}.post_attention_layernorm.weight": 1 + weight(hidden_size),
         }
+        if architecture == "qwen2":
+            tensors |= {
+                f"{p}.self_attn.q_proj.bias": weight(heads * head_dim),
+                f"{p}.self_attn.k_proj.bias": weight(kv_heads * head_dim),
+                f"{p}.self_attn.v_proj.bias": weight(kv_heads * head_dim),
+            }
     tensors["model.norm.weight"] = 1 + weight(hidden_size)
     if not tie_word_embeddings:
         tensors["lm_head.weight"] = weight(vocab, hidden_size)
@@ -123,6 +136,7 @@ def write_tiny_llama(
         kv_heads=kv_heads,
         vocab=vocab,
         tie_word_embeddings=tie_word_embeddings,
+        architecture=architecture,
     )
     _write_json(directory / "config.json", config)
     _write_json(
