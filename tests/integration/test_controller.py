@@ -295,5 +295,15 @@ def test_kubectl_shows_ready_reason_and_tp(
         text=True,
         check=True,
     ).stdout.split("\n")
-    assert table[0].split() == ["NAME", "READY", "REASON", "TP", "AGE", "STORAGE", "SHARD", "SETS"]
+    assert table[0].split() == [
+        "NAME",
+        "READY",
+        "REASON",
+        "TP",
+        "PROGRESS",
+        "AGE",
+        "STORAGE",
+        "SHARD",
+        "SETS",
+    ]
     assert table[1].split()[:4] == ["llama", "True", "Ready", "[2]"]
