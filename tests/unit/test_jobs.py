@@ -511,6 +511,39 @@ def test_the_scratch_volume_is_requested_as_ephemeral_storage(size: str) -> None
     assert args[args.index("--scratch-size-limit") + 1] == size
 
 
+@pytest.mark.parametrize(
+    ("scratch_volume", "claim_class"),
+    [({}, {}), ({"storageClassName": "local-nvme"}, {"storageClassName": "local-nvme"})],
+)
+def test_scratch_on_a_volume_of_its_own_is_a_claim_per_pod_and_no_node_disk(
+    scratch_volume: dict[str, str], claim_class: dict[str, str]
+) -> None:
+    spec = {**SPEC, "serialization": {"scratchSize": "2Ti", "scratchVolume": scratch_volume}}
+    source = ShardSet.for_spec(parse_spec(spec), 1, "fedcba9876543210fedc").location
+    for job in (build_serialize_job(job_input(spec)), build_reshard_job(job_input(spec), source)):
+        pod = job["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert "ephemeral-storage" not in container["resources"]["requests"]
+        assert pod["volumes"][0] == {
+            "name": "scratch",
+            "ephemeral": {
+                "volumeClaimTemplate": {
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": "2Ti"}},
+                        **claim_class,
+                    }
+                }
+            },
+        }
+        assert container["volumeMounts"][0] == {
+            "name": "scratch",
+            "mountPath": "/var/run/preshard/scratch",
+        }
+        # A claim's free space is its own: no emptyDir limit to pass for it.
+        assert "--scratch-size-limit" not in container["args"]
+
+
 def test_gpu_resource_name_from_spec() -> None:
     spec = {**SPEC, "serialization": {"gpuResourceName": "amd.com/gpu"}}
     container = build_serialize_job(job_input(spec))["spec"]["template"]["spec"]["containers"][0]

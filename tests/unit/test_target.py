@@ -253,6 +253,32 @@ def test_an_operator_that_logs_text_passes_no_log_format() -> None:
     assert "--log-format" not in patched["spec"]["template"]["spec"]["initContainers"][1]["args"]
 
 
+def test_the_init_container_reads_the_store_through_the_job_pods_proxy() -> None:
+    proxy = [
+        {"name": "HTTPS_PROXY", "value": "http://proxy.corp:3128"},
+        {"name": "NO_PROXY", "value": ".svc,.cluster.local"},
+    ]
+    with_proxy = target_input({"jobPods": {"env": proxy}})
+    patched = build_patched_deployment(deployment(), with_proxy)
+    plain = build_patched_deployment(deployment(), target_input())
+    assert isinstance(patched, dict)
+    assert isinstance(plain, dict)
+    init = patched["spec"]["template"]["spec"]["initContainers"][1]
+    assert init["env"] == [*CREDENTIALS, *proxy]
+    # The serving container keeps its own environment; a proxy change is a change to write.
+    vllm = patched["spec"]["template"]["spec"]["containers"][0]
+    assert not {e["name"] for e in vllm["env"]} & {"HTTPS_PROXY", "NO_PROXY"}
+    hash_key = "preshard.dev/input-hash"
+    assert (
+        patched["metadata"]["annotations"][hash_key] != plain["metadata"]["annotations"][hash_key]
+    )
+    assert build_patched_deployment(patched, with_proxy) == patched
+    restored = build_restored_deployment(patched)
+    assert restored is not None
+    original_init = deployment()["spec"]["template"]["spec"]["initContainers"]
+    assert restored["spec"]["template"]["spec"]["initContainers"] == original_init
+
+
 def test_patching_is_idempotent() -> None:
     once = build_patched_deployment(deployment(), target_input())
     assert isinstance(once, dict)

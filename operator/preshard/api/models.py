@@ -303,6 +303,16 @@ class Toleration(ApiModel):
     """How long a NoExecute taint is tolerated."""
 
 
+class ScratchVolume(ApiModel):
+    """Scratch on a volume of its own instead of the node's disk: a generic ephemeral volume, a
+    PersistentVolumeClaim of `scratchSize` made with each Job pod and deleted with it."""
+
+    storage_class_name: ResourceName | None = None
+    """StorageClass of the claim (a local NVMe class is the fastest); unset: the cluster's
+    default class.
+    """
+
+
 class Serialization(ApiModel):
     """How the multi-GPU serialization Job runs."""
 
@@ -364,6 +374,12 @@ class Serialization(ApiModel):
     scratch_size: ByteSize | None = None
     """Size of the local scratch volume the rank files (and an s3:// source) are written to before
     upload. Defaults to the operator's setting; make it at least twice the model's size.
+    """
+
+    scratch_volume: ScratchVolume | None = None
+    """Put the scratch of the serialize and reshard Jobs on a PersistentVolumeClaim made for each
+    pod (for models larger than what a node's disk can give an `emptyDir`); unset: an `emptyDir`
+    with `scratchSize` as its size limit and as an `ephemeral-storage` request.
     """
 
     memory: Quantity | None = None
@@ -651,7 +667,8 @@ class JobPods(ApiModel):
     """Annotations of the Jobs and their pods (keys under `preshard.dev/` are refused)."""
 
     env: list[EnvVar] = Field(default_factory=list, max_length=32)
-    """Extra environment of the Job containers: `HTTPS_PROXY`, `NO_PROXY`, `HF_ENDPOINT`,
+    """Extra environment of the Job containers and of the init container preshard adds to
+    patched Deployments (both read the store): `HTTPS_PROXY`, `NO_PROXY`, `HF_ENDPOINT`,
     `AWS_CA_BUNDLE`, ... Variables preshard sets itself (S3 credentials, region and endpoint,
     `HF_TOKEN`, `HF_HOME`, `TMPDIR`) are refused.
     """
@@ -668,7 +685,10 @@ class JobPods(ApiModel):
     """
 
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16)
-    """Secrets to pull the serializer and tools images with, besides the ServiceAccount's."""
+    """Secrets the Job pods pull the serializer and tools images with, besides the
+    ServiceAccount's. A patched Deployment pulls the tools image of its init container with its
+    own pull secrets or its ServiceAccount's; preshard does not add these to it.
+    """
 
     @model_validator(mode="after")
     def _not_preshards_own(self) -> JobPods:

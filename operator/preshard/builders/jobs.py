@@ -98,8 +98,7 @@ def coerce_engine_arg(value: str) -> str | int | float | bool:
 
 
 def build_serialize_job(job: JobInput) -> Manifest:
-    """The GPU Job that writes one shard set: TP GPUs, a sized scratch volume (requested as
-    ephemeral storage), /dev/shm."""
+    """The GPU Job that writes one shard set: TP GPUs, a sized scratch volume, /dev/shm."""
     spec, settings, shard_set = job.spec, job.settings, job.shard_set
     serialization = spec.serialization
     gpu = serialization.gpu_resource_name or settings.gpu_resource_name
@@ -130,7 +129,7 @@ def build_serialize_job(job: JobInput) -> Manifest:
     env += _scratch_env()
     requests: dict[str, str] = {
         gpu: str(shard_set.tensor_parallel_size),
-        "ephemeral-storage": scratch_size,
+        **_scratch_request(spec, scratch_size),
     }
     limits: dict[str, str] = {gpu: str(shard_set.tensor_parallel_size)}
     if serialization.cpu:
@@ -207,7 +206,7 @@ def build_reshard_job(job: JobInput, source: S3Location) -> Manifest:
     ]
     mounts, volumes = _scratch_volumes(spec, scratch_size)
     resources = copy.deepcopy(RESHARD_RESOURCES)
-    resources["requests"]["ephemeral-storage"] = scratch_size
+    resources["requests"].update(_scratch_request(spec, scratch_size))
     container: Manifest = {
         "name": CONTAINER,
         "image": spec.serialization.image or settings.serializer_image,
@@ -368,8 +367,7 @@ def _writer_args(job: JobInput, scratch_size: str) -> list[str]:
         "--scratch-dir",
         SCRATCH_DIR,
         # An emptyDir's free space reads as the node's disk; the sizeLimit is the real bound.
-        "--scratch-size-limit",
-        scratch_size,
+        *([] if spec.serialization.scratch_volume else ["--scratch-size-limit", scratch_size]),
         *(["--encryption-keyfile", ENCRYPTION_KEYFILE] if spec.encryption else []),
         *s3_args(spec.storage),
         *log_args(job.settings),
@@ -390,13 +388,12 @@ def _scratch_volumes(
     """The mounts and volumes of a Job that writes a set: scratch, the key if encrypted, and
     the store's CA bundle if it has one.
 
-    The scratch size is also requested as `ephemeral-storage` by the callers: the scheduler
-    places a pod by its requests only, so without it a node whose disk cannot hold the volume
-    is chosen, and the kubelet evicts the pod for disk pressure once the shards fill it. The
-    emptyDir's sizeLimit bounds what the volume may hold.
+    Scratch is an emptyDir bounded by its sizeLimit, or with `scratchVolume` a generic ephemeral
+    volume: a claim of that size the ephemeral volume controller makes for the pod (and deletes
+    with it), so the pod waits for a volume instead of filling the node's disk.
     """
     mounts: list[Manifest] = [{"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR}]
-    volumes: list[Manifest] = [{"name": SCRATCH_VOLUME, "emptyDir": {"sizeLimit": scratch_size}}]
+    volumes: list[Manifest] = [{"name": SCRATCH_VOLUME, **_scratch_source(spec, scratch_size)}]
     if spec.encryption is not None:
         mounts.append(encryption_mount())
         volumes.append(encryption_volume(spec.encryption))
@@ -404,6 +401,29 @@ def _scratch_volumes(
         mounts.append(ca_bundle_mount())
         volumes.append(ca_bundle_volume(spec.storage.ca_bundle))
     return mounts, volumes
+
+
+def _scratch_source(spec: models.ShardedModelSpec, scratch_size: str) -> Manifest:
+    scratch = spec.serialization.scratch_volume
+    if scratch is None:
+        return {"emptyDir": {"sizeLimit": scratch_size}}
+    claim: Manifest = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": scratch_size}},
+    }
+    if scratch.storage_class_name:
+        claim["storageClassName"] = scratch.storage_class_name
+    return {"ephemeral": {"volumeClaimTemplate": {"spec": claim}}}
+
+
+def _scratch_request(spec: models.ShardedModelSpec, scratch_size: str) -> dict[str, str]:
+    """The `ephemeral-storage` request of scratch on the node's disk: the scheduler places a pod
+    by its requests only, so without it a node whose disk cannot hold the emptyDir is chosen,
+    and the kubelet evicts the pod for disk pressure once the shards fill it. Nothing for a
+    volume of its own."""
+    if spec.serialization.scratch_volume is not None:
+        return {}
+    return {"ephemeral-storage": scratch_size}
 
 
 def _placement(

@@ -517,7 +517,7 @@ def input_hash(original: Manifest, target: TargetInput, load: TensorizerLoad) ->
     The tools image is not part of it: a new one alone is no reason to write (see
     `_keep_tools_image`).
     """
-    inputs = {
+    inputs: dict[str, object] = {
         "original": original,
         "load": load.__dict__,
         "uri": target.shard_set.uri,
@@ -527,6 +527,8 @@ def input_hash(original: Manifest, target: TargetInput, load: TensorizerLoad) ->
         else None,
         "gpu": target.spec.serialization.gpu_resource_name or target.settings.gpu_resource_name,
     }
+    if target.spec.job_pods.env:
+        inputs["jobPodsEnv"] = _job_pods_env(target.spec)
     return hashlib.sha256(_compact(inputs).encode()).hexdigest()[:16]
 
 
@@ -687,7 +689,7 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
         },
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    _set_or_drop(init_container, "env", s3_env(spec.storage) or None)
+    _set_or_drop(init_container, "env", [*s3_env(spec.storage), *_job_pods_env(spec)] or None)
     init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != INIT_CONTAINER]
     pod_spec["initContainers"] = _in_current_order(
         [*init, init_container], pod_spec.get("initContainers"), lambda c: c.get("name")
@@ -702,6 +704,11 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
     pod_spec["volumes"] = _in_current_order(
         volumes, pod_spec.get("volumes"), lambda v: v.get("name")
     )
+
+
+def _job_pods_env(spec: models.ShardedModelSpec) -> list[Manifest]:
+    # The init container reads the same store as the Jobs: through the same proxy and CA.
+    return [e.model_dump(by_alias=True, exclude_none=True) for e in spec.job_pods.env]
 
 
 def _is_ca_bundle_env(entry: Manifest, storage: models.Storage) -> bool:
