@@ -4,14 +4,14 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEVENV := $(BIN)/python -m preshard.devenv
+DEVENV := $(BIN)/python -m preshard_devenv
 # The tensorizer the tools image bundles for vLLM images without one (see Dockerfile).
 BUNDLE := $(VENV)/tensorizer-bundle
 # The engine tier: vLLM's CPU build in a virtualenv of its own, without tensorizer, as the
 # stock vLLM image is.
 ENGINE_VENV := .venv-engine
 ENGINE_STAMP := $(ENGINE_VENV)/.installed
-ENGINE_SHIMS := operator/preshard/devenv/vllm_cpu
+ENGINE_SHIMS := operator/preshard_devenv/vllm_cpu
 UV_LOCK := $(BIN)/uv pip compile --quiet --python-version 3.11 \
     --python-platform x86_64-manylinux_2_28 --no-header
 
@@ -84,10 +84,10 @@ test-fast: $(STAMP) ## Only the tests that need no cluster and no S3 server.
 	$(BIN)/pytest tests/unit
 
 run: $(STAMP) $(ENGINE_STAMP) ## Run preshard: on your kube context, or for real on a local one.
-	$(BIN)/python -m preshard.devenv run-operator
+	$(BIN)/python -m preshard_devenv run-operator
 
 run-fast: $(STAMP) ## Like run, but on the local cluster kwok completes the Jobs (controller only).
-	$(BIN)/python -m preshard.devenv run-operator --fast
+	$(BIN)/python -m preshard_devenv run-operator --fast
 
 dev-cluster: $(STAMP) ## Start a local control plane, fake GPU nodes and an S3 server.
 	$(DEVENV) up

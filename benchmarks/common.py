@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Final
 import boto3
 from tests.support.s3 import create_bucket
 
-from preshard.devenv.s3server import S3Server, start_s3_server
+from preshard_devenv.s3server import S3Server, start_s3_server
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -69,11 +69,11 @@ from benchmarks import common
 from preshard.api import models
 from preshard.builders import jobs
 from preshard.builders.common import Owner, ShardSet
-from preshard.devenv import nodes, procs
-from preshard.devenv.controlplane import LocalCluster
-from preshard.devenv.demo import install_crd
 from preshard.identity import artifact_key
 from preshard.settings import Settings
+from preshard_devenv import nodes, procs
+from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.demo import install_crd
 
 NAME: Final = "controller"
 # kube-apiserver's only per-user metric (`authenticated_user_requests`) names a few well-known

@@ -4,7 +4,7 @@ The GPU variant of `tests/e2e/test_real_vllm.py` and `tests/dataplane/test_real_
 machine with CUDA GPUs and vLLM installed (the serializer image, or any Python with `vllm` and
 `tensorizer`), no S3 and no cluster needed:
 
-1. the tiny Llama is written from a seed (`preshard.devenv.tinymodel`);
+1. the tiny Llama is written from a seed (`preshard_devenv.tinymodel`);
 2. `vllm serve` of the safetensors directory answers greedy completions (the baseline);
 3. preshard's production engine (`VllmEngine`: vLLM's `tensorize_vllm_model`, TP = N) writes
    one rank file per GPU;
@@ -36,10 +36,10 @@ if __package__ in (None, ""):
 
 from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
 from preshard.dataplane.engine import EngineRequest
-from preshard.devenv import procs
-from preshard.devenv.engine import TINY_LLAMA, Completion, complete
-from preshard.devenv.tinymodel import CONFIG_FILES, write_tiny_llama
 from preshard.layout import RANK_FILE_TEMPLATE, rank_file_name
+from preshard_devenv import procs
+from preshard_devenv.engine import TINY_LLAMA, Completion, complete
+from preshard_devenv.tinymodel import CONFIG_FILES, write_tiny_llama
 
 SERVED: Final = "org/tiny"
 PROMPTS: Final = ((5, 17, 33, 100), (300, 4, 77))

@@ -18,11 +18,11 @@ from types import FrameType
 import pytest
 from kubernetes import client as k8s
 
-from preshard.devenv import binaries, engine
-from preshard.devenv.controlplane import LocalCluster
-from preshard.devenv.podrunner import PodRunner
-from preshard.devenv.procs import DevEnvError
-from preshard.devenv.s3server import S3Server, start_s3_server
+from preshard_devenv import binaries, engine
+from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.podrunner import PodRunner
+from preshard_devenv.procs import DevEnvError
+from preshard_devenv.s3server import S3Server, start_s3_server
 from tests.support.s3 import S3Bucket, create_bucket
 
 _ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from preshard.devenv.s3server import S3Server
+from preshard_devenv.s3server import S3Server
 from tests.support.s3 import S3Bucket
 
 ROOT = Path(__file__).resolve().parents[2]

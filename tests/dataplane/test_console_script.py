@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from preshard import reasons
-from preshard.devenv import procs
-from preshard.devenv.s3server import S3Server
 from preshard.outcome import Outcome
+from preshard_devenv import procs
+from preshard_devenv.s3server import S3Server
 from tests.support import engine
 from tests.support.s3 import S3Bucket
 

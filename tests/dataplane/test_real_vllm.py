@@ -22,11 +22,11 @@ import torch
 from tensorizer import TensorDeserializer
 
 from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
-from preshard.devenv import engine, procs
-from preshard.devenv.s3server import S3Server
-from preshard.devenv.vllm_cpu import preshard_vllm_cpu_shims as shims
 from preshard.layout import S3Location, tensorizer_uri
 from preshard.outcome import Outcome
+from preshard_devenv import engine, procs
+from preshard_devenv.s3server import S3Server
+from preshard_devenv.vllm_cpu import preshard_vllm_cpu_shims as shims
 from tests.support.commands import pod_env, run_preshard
 from tests.support.models import TinyModel, make_tiny_model, upload_model
 from tests.support.s3 import S3Bucket

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
-from preshard.devenv import engine, procs
-from preshard.devenv.s3server import S3Server
 from preshard.layout import tensorizer_uri
+from preshard_devenv import engine, procs
+from preshard_devenv.s3server import S3Server
 from tests.support.commands import pod_env, run_preshard
 from tests.support.models import (
     StoredSet,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from preshard.devenv import engine
-from preshard.devenv.s3server import S3Server
+from preshard_devenv import engine
+from preshard_devenv.s3server import S3Server
 from tests.support.models import (
     StoredSet,
     TinyModel,

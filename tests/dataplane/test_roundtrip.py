@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from preshard import reasons
-from preshard.devenv.s3server import S3Server
+from preshard_devenv.s3server import S3Server
 from tests.dataplane.conftest import Cli, read_manifest, serialize_args
 from tests.support import engine
 from tests.support.models import TinyModel, assert_shards_match, download_prefix

@@ -1,6 +1,6 @@
 """The data-plane commands against a real S3 server over TLS with a private CA.
 
-SeaweedFS serves HTTPS with a certificate of a CA made for the test (`preshard.devenv.pki`).
+SeaweedFS serves HTTPS with a certificate of a CA made for the test (`preshard_devenv.pki`).
 Without the CA a command fails at once with `Unreachable` and a message that names the cause
 and the fix; with `--ca-bundle` (what a Job gets from `storage.caBundle`) or boto3's own
 `AWS_CA_BUNDLE` every command works: serialize (and its uploader), verify, fetch-config,
@@ -21,8 +21,8 @@ import pytest
 
 from preshard import reasons
 from preshard.dataplane.s3 import AddressingStyle, make_client
-from preshard.devenv import pki
 from preshard.outcome import exit_code
+from preshard_devenv import pki
 from tests.dataplane.conftest import Cli, serialize_args
 from tests.dataplane.tls_store import TlsStore, tls_s3_server
 from tests.support import engine

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from preshard import cli, reasons
-from preshard.devenv.s3server import S3Server, start_s3_server
 from preshard.outcome import Outcome
+from preshard_devenv.s3server import S3Server, start_s3_server
 from tests.support import engine
 from tests.support.models import TinyModel, make_tiny_model, upload_model
 from tests.support.s3 import S3Bucket, create_bucket

@@ -1,8 +1,8 @@
 """A SeaweedFS S3 server that serves HTTPS with a certificate of a private CA.
 
-The server `preshard.devenv.s3server` starts (its command line and identities), with its S3
+The server `preshard_devenv.s3server` starts (its command line and identities), with its S3
 gateway also listening for TLS on a port of its own, with a serving certificate for 127.0.0.1
-and `localhost` made by `preshard.devenv.pki` (as the test control plane makes its own). The CA
+and `localhost` made by `preshard_devenv.pki` (as the test control plane makes its own). The CA
 certificate is written beside it, the way a user would put it into a ConfigMap.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import boto3
 import botocore.exceptions
 
-from preshard.devenv import pki, procs, s3server
-from preshard.devenv.s3server import S3Server
+from preshard_devenv import pki, procs, s3server
+from preshard_devenv.s3server import S3Server
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from typing import Final
 import pytest
 from kubernetes import client as k8s
 
-from preshard.devenv import binaries, procs
-from preshard.devenv.controlplane import LocalCluster
-from preshard.devenv.podrunner import PodRunner
-from preshard.devenv.s3server import S3Server
+from preshard_devenv import binaries, procs
+from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.podrunner import PodRunner
+from preshard_devenv.s3server import S3Server
 from tests.e2e import engine, support
 from tests.helm.conftest import Namespaces
 from tests.helm.support import CHART, Release, Tool, adopt_crd, chart_operator

@@ -25,10 +25,10 @@ from kubernetes.client.exceptions import ApiException
 
 from preshard import reasons
 from preshard.api import models
-from preshard.devenv.nodes import on_node
-from preshard.devenv.podrunner import PodRunner
-from preshard.devenv.s3server import S3Server
 from preshard.outcome import Outcome
+from preshard_devenv.nodes import on_node
+from preshard_devenv.podrunner import PodRunner
+from preshard_devenv.s3server import S3Server
 from tests.helm.support import Tool
 from tests.support import shardedmodels as shm
 from tests.support.cluster import plain, wait_for

@@ -26,7 +26,7 @@ from kubernetes.client.exceptions import ApiException
 
 from preshard import reasons
 from preshard.api import models
-from preshard.devenv.nodes import on_node
+from preshard_devenv.nodes import on_node
 from tests.e2e import support
 from tests.helm.conftest import Namespaces
 from tests.support import shardedmodels as shm

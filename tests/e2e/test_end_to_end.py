@@ -23,8 +23,8 @@ from kubernetes import client as k8s
 from tensorizer.serialization import CryptographyError
 
 from preshard import reasons
-from preshard.devenv.podrunner import PodRunner
 from preshard.outcome import Outcome
+from preshard_devenv.podrunner import PodRunner
 from tests.e2e import support
 from tests.helm.support import Tool
 from tests.support import shardedmodels as shm

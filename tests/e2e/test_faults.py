@@ -18,9 +18,9 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard import reasons
-from preshard.devenv.controlplane import LocalCluster
-from preshard.devenv.nodes import TEST_NODE_LABEL
-from preshard.devenv.podrunner import PodRunner
+from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.nodes import TEST_NODE_LABEL
+from preshard_devenv.podrunner import PodRunner
 from tests.e2e import support
 from tests.e2e.engine import EngineControl
 from tests.e2e.writegate import WriteGate

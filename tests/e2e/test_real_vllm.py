@@ -2,7 +2,7 @@
 
 The engine tier. `make engine-env` builds vLLM's CPU build into `.venv-engine`, without
 tensorizer, like the stock `vllm/vllm-openai` image; the pod runner runs the images of this
-flow from it (`preshard.devenv.engine`):
+flow from it (`preshard_devenv.engine`):
 
 1. `kubectl apply` of a ShardedModel at TP 1 with a target Deployment written as people write
    it (`vllm serve org/tiny --port N`, a readiness probe on `/health`);
@@ -27,7 +27,7 @@ So a wrong tensorizer URI, TP size, endpoint, a lost rank, an image that cannot 
 tensorizer or a resharded tensor out of place fails here because vLLM itself refuses or answers
 differently. That the resharded files are vLLM's own byte for byte is shown against vLLM's
 serializations in `tests/dataplane/test_reshard.py`. What is not real: the
-GPU (vLLM runs on CPU, with the fixes in `operator/preshard/devenv/vllm_cpu/`), and images
+GPU (vLLM runs on CPU, with the fixes in `operator/preshard_devenv/vllm_cpu/`), and images
 (each runs from a local virtualenv).
 """
 
@@ -43,10 +43,10 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard import reasons
-from preshard.devenv import engine, procs
-from preshard.devenv.nodes import on_node
-from preshard.devenv.podrunner import PodRunner, image_repository
 from preshard.layout import S3Location
+from preshard_devenv import engine, procs
+from preshard_devenv.nodes import on_node
+from preshard_devenv.podrunner import PodRunner, image_repository
 from tests.e2e import support
 from tests.e2e.engine import EngineControl
 from tests.helm.support import Tool

@@ -21,8 +21,8 @@ from kubernetes import client as k8s
 from preshard import reasons
 from preshard.builders.jobs import CONTAINER
 from preshard.builders.target import INIT_CONTAINER
-from preshard.devenv.controlplane import LocalCluster
-from preshard.devenv.podrunner import PodRunner
+from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.podrunner import PodRunner
 from tests.e2e import engine, support
 from tests.helm.conftest import Namespaces
 from tests.helm.support import Release, Tool, ToolError, chart_operator, forbidden_requests

@@ -17,7 +17,7 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard import reasons
-from preshard.devenv.s3server import start_s3_server
+from preshard_devenv.s3server import start_s3_server
 from tests.e2e import support
 from tests.e2e.engine import EngineControl
 from tests.support import shardedmodels as shm

@@ -13,8 +13,8 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
-from preshard.devenv import binaries
-from preshard.devenv.controlplane import LocalCluster
+from preshard_devenv import binaries
+from preshard_devenv.controlplane import LocalCluster
 from tests.helm.support import SECURE_NAMESPACE_LABELS, Tool
 
 

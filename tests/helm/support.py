@@ -16,7 +16,7 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
-from preshard.devenv import procs
+from preshard_devenv import procs
 from tests.support.cluster import plain
 from tests.support.operator import OperatorProcess
 

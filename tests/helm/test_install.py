@@ -25,7 +25,7 @@ from kubernetes.client.exceptions import ApiException
 import preshard
 from preshard.api import models as models_api
 from preshard.builders.common import LABEL_SHARDEDMODEL
-from preshard.devenv.controlplane import LocalCluster
+from preshard_devenv.controlplane import LocalCluster
 from tests.helm.conftest import Namespaces
 from tests.helm.support import (
     CHART,

@@ -17,7 +17,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from preshard.devenv.controlplane import LocalCluster
+from preshard_devenv.controlplane import LocalCluster
 from tests.helm.conftest import Namespaces
 from tests.helm.support import (
     CHART,

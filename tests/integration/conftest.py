@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client as k8s
 
-from preshard.devenv.controlplane import LocalCluster
-from preshard.devenv.demo import install_crd
+from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.demo import install_crd
 from tests.support.operator import OperatorProcess
 
 # Short back-offs keep retries inside a test's patience.

@@ -16,10 +16,10 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard import reasons
-from preshard.devenv import binaries
-from preshard.devenv.controlplane import LocalCluster
-from preshard.devenv.nodes import on_node
 from preshard.outcome import Outcome
+from preshard_devenv import binaries
+from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.nodes import on_node
 from tests.support import shardedmodels as shm
 from tests.support.cluster import finish_job, wait_for
 from tests.support.operator import OperatorProcess

@@ -14,8 +14,8 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard import reasons
-from preshard.devenv.nodes import on_node
 from preshard.outcome import Outcome
+from preshard_devenv.nodes import on_node
 from tests.support import shardedmodels as shm
 from tests.support.cluster import finish_job, plain, wait_for
 

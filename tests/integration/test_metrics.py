@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import preshard
 from preshard import reasons
-from preshard.devenv import procs
-from preshard.devenv.controlplane import LocalCluster
-from preshard.devenv.nodes import on_node
 from preshard.outcome import Outcome, exit_code
+from preshard_devenv import procs
+from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.nodes import on_node
 from tests.integration.conftest import OPERATOR_ENV
 from tests.support import shardedmodels as shm
 from tests.support.cluster import complete_pod, job_pods, wait_for

@@ -12,8 +12,8 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard import reasons
-from preshard.devenv.controlplane import LocalCluster
-from preshard.devenv.nodes import on_node
+from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.nodes import on_node
 from tests.support.cluster import (
     GPU_NODES,
     GPU_RESOURCE,

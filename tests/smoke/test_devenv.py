@@ -1,4 +1,4 @@
-"""The environment's tooling: the binary cache and the `python -m preshard.devenv` commands."""
+"""The environment's tooling: the binary cache and the `python -m preshard_devenv` commands."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from preshard.devenv import binaries, versions
-from preshard.devenv.procs import DevEnvError
+from preshard_devenv import binaries, versions
+from preshard_devenv.procs import DevEnvError
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_a_failed_build_names_the_step_and_leaves_nothing_behind(
     text = str(failed.value)
     assert "failed at step 'resolve go.etcd.io/etcd/server/v3'" in text
     assert "GOPROXY=off" in text
-    assert "python -m preshard.devenv build" in text
+    assert "python -m preshard_devenv build" in text
     assert [p.name for p in (empty_cache / "bin").iterdir()] == [f".etcd-{versions.ETCD}.lock"]
 
 
@@ -77,7 +77,7 @@ def test_an_unknown_tool_is_an_error() -> None:
 
 def _devenv(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "preshard.devenv", *args],
+        [sys.executable, "-m", "preshard_devenv", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from preshard.devenv import installcheck
+from preshard_devenv import installcheck
 
 # Lines of the real RECORDs of cuda-python 12.6.2.post1 (which still shipped the bindings) and
 # cuda-bindings 13.5.0: the pair the lock once held. Both write cuda/bindings/runtime.*.so, with
@@ -38,7 +38,7 @@ def _install(site: Path, name: str, version: str, records: list[str]) -> None:
 
 def _guard(site: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "preshard.devenv", "check-install", "--site-packages", str(site)],
+        [sys.executable, "-m", "preshard_devenv", "check-install", "--site-packages", str(site)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -84,7 +84,7 @@ def test_only_the_listed_distributions_may_share_an_allowed_path(tmp_path: Path)
 
 def test_the_installed_environment_passes_the_guard() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "preshard.devenv", "check-install"],
+        [sys.executable, "-m", "preshard_devenv", "check-install"],
         capture_output=True,
         text=True,
         timeout=300,

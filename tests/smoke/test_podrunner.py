@@ -10,8 +10,8 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard import __version__
-from preshard.devenv.nodes import on_node
-from preshard.devenv.podrunner import PathMap, PodRunner, expand
+from preshard_devenv.nodes import on_node
+from preshard_devenv.podrunner import PathMap, PodRunner, expand
 from tests.support.cluster import (
     RUNNER_NODE,
     job_pods,

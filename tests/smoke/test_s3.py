@@ -9,8 +9,8 @@ import boto3
 import botocore.exceptions
 import pytest
 
-from preshard.devenv import procs
-from preshard.devenv.s3server import start_s3_server
+from preshard_devenv import procs
+from preshard_devenv.s3server import start_s3_server
 from tests.support.s3 import S3Bucket, create_bucket
 
 pytestmark = pytest.mark.s3

@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from preshard.devenv import nodes
-from preshard.devenv.kubeconfig import api_client
 from preshard.outcome import Outcome, exit_code
+from preshard_devenv import nodes
+from preshard_devenv.kubeconfig import api_client
 
 T = TypeVar("T")
 

@@ -6,8 +6,8 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from preshard.devenv.s3server import S3Server
 from preshard.outcome import Outcome
+from preshard_devenv.s3server import S3Server
 
 
 def pod_env(s3_server: S3Server, home: Path) -> dict[str, str]:

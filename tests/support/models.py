@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from preshard.devenv.tinymodel import CONFIG_FILES, write_tiny_llama
 from preshard.layout import S3Location
 from preshard.outcome import Outcome
+from preshard_devenv.tinymodel import CONFIG_FILES, write_tiny_llama
 from tests.support.engine import cast, load_checkpoint, split_dim
 
 if TYPE_CHECKING:

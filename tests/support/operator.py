@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from preshard.devenv import procs
+from preshard_devenv import procs
 
 LIVENESS: str = "--liveness"
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import boto3
 import botocore.exceptions
 
-from preshard.devenv.s3server import S3Server
+from preshard_devenv.s3server import S3Server
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import Final
 
-from preshard.devenv import engine
-from preshard.devenv.s3server import S3Server
 from preshard.layout import S3Location
+from preshard_devenv import engine
+from preshard_devenv.s3server import S3Server
 from tests.support.commands import pod_env, run_preshard
 from tests.support.models import StoredSet, fetch_set
 from tests.support.s3 import S3Bucket

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from preshard.devenv.engine import ENGINE_VENV
+from preshard_devenv.engine import ENGINE_VENV
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = ENGINE_VENV / "bin" / "python"

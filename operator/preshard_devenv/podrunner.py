@@ -59,7 +59,7 @@ Supported, with the kubelet's semantics:
 - Output: each container's stdout and stderr go to `<work dir>/<namespace>/<pod>/logs/
   <container>.log`; `PodRunner.logs()` reads them, and so does the API's log endpoint
   (`kubectl logs`, the operator's progress reads): the node serves it
-  (`preshard.devenv.kubeletlogs`) at its only address, 127.0.0.1.
+  (`preshard_devenv.kubeletlogs`) at its only address, 127.0.0.1.
 
 Not supported: pulling images (every container runs on this machine), liveness, startup and
 exec/TCP probes, lifecycle hooks, resource limits, sidecar init containers
@@ -96,9 +96,9 @@ from kubernetes import client as k8s
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 
-from preshard.devenv import nodes
-from preshard.devenv.kubeconfig import api_client as kubeconfig_api_client
-from preshard.devenv.kubeletlogs import LogServer
+from preshard_devenv import nodes
+from preshard_devenv.kubeconfig import api_client as kubeconfig_api_client
+from preshard_devenv.kubeletlogs import LogServer
 
 NODE: Final = nodes.RUNNER_NODE
 TERMINATION_LOG_ENV: Final = "PRESHARD_TERMINATION_LOG"

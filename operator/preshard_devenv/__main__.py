@@ -1,4 +1,4 @@
-"""`python -m preshard.devenv up|down|status|build|tool-path|check-install`: the local environment.
+"""`python -m preshard_devenv up|down|status|build|tool-path|check-install`: the local environment.
 
     up [--state-dir DIR]     start a cluster and an S3 server (bucket `preshard`) in the
                              background, building the binaries first if needed
@@ -25,9 +25,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from preshard.devenv import background, binaries, demo, installcheck, realrun
-from preshard.devenv.kubeconfig import api_client
-from preshard.devenv.procs import DevEnvError
+from preshard_devenv import background, binaries, demo, installcheck, realrun
+from preshard_devenv.kubeconfig import api_client
+from preshard_devenv.procs import DevEnvError
 
 
 def _err(message: str) -> None:
@@ -41,7 +41,7 @@ def _up(args: argparse.Namespace) -> int:
     print("\n".join(background.status_lines(state)))
     print("\nPoint a shell at it:")
     print("\n".join(f"  {line}" for line in background.exports(state)))
-    print(f"\nStop it with: python -m preshard.devenv down --state-dir {args.state_dir}")
+    print(f"\nStop it with: python -m preshard_devenv down --state-dir {args.state_dir}")
     return 0
 
 
@@ -108,7 +108,7 @@ def _check_install(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the local environment's commands."""
     parser = argparse.ArgumentParser(
-        prog="python -m preshard.devenv",
+        prog="python -m preshard_devenv",
         description="A local Kubernetes control plane with fake GPU nodes, and an S3 server.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Final, TypedDict
 
 from preshard.dataplane.commands import TENSORIZER_BUNDLE_ENV
-from preshard.devenv import procs
-from preshard.devenv.podrunner import LocalImage
+from preshard_devenv import procs
+from preshard_devenv.podrunner import LocalImage
 
 
 class TinyLlamaShape(TypedDict):
@@ -38,7 +38,7 @@ class TinyLlamaShape(TypedDict):
     kv_heads: int
 
 
-ROOT: Final = Path(__file__).resolve().parents[3]
+ROOT: Final = Path(__file__).resolve().parents[2]
 ENGINE_VENV: Final = ROOT / ".venv-engine"
 # What vLLM's CPU build needs here: a small KV cache (GiB; the default is far larger) and
 # explicit OpenMP binding, since `auto` asserts on a machine with one NUMA node.

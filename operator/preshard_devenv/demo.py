@@ -12,11 +12,11 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
-from preshard.devenv.background import State
-from preshard.devenv.kubeconfig import api_client
-from preshard.devenv.procs import DevEnvError, wait_until
+from preshard_devenv.background import State
+from preshard_devenv.kubeconfig import api_client
+from preshard_devenv.procs import DevEnvError, wait_until
 
-CRD_FILE = Path(__file__).resolve().parents[3] / "crds" / "shardedmodels.preshard.dev.yaml"
+CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "shardedmodels.preshard.dev.yaml"
 CRD_NAME = f"{models.PLURAL}.{models.GROUP}"
 
 

@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Final
 
-from preshard.devenv.controlplane import LocalCluster
-from preshard.devenv.pki import write_private
-from preshard.devenv.procs import DevEnvError
-from preshard.devenv.s3server import S3Server, start_s3_server
+from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.pki import write_private
+from preshard_devenv.procs import DevEnvError
+from preshard_devenv.s3server import S3Server, start_s3_server
 
 Log = Callable[[str], None]
 

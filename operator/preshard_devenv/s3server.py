@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from preshard.devenv import procs
+from preshard_devenv import procs
 
 _LAUNCH_ATTEMPTS = 3
 _BIND_FAILURE = "address already in use"

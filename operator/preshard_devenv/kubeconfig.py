@@ -10,7 +10,7 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from preshard.devenv.pki import KeyPair, write_private
+from preshard_devenv.pki import KeyPair, write_private
 
 
 def _b64(data: bytes) -> str:

@@ -3,7 +3,7 @@
 Nothing is downloaded from release pages: kube-apiserver, kube-controller-manager,
 kube-scheduler and kubectl come from the `k8s.io/kubernetes` module, etcd from
 `go.etcd.io/etcd/server/v3`, kwok and helm from their modules, all at the versions pinned in
-`preshard.devenv.versions`. Each component is built once into
+`preshard_devenv.versions`. Each component is built once into
 `<cache>/bin/<component>-<version>/` (cache: `$PRESHARD_CACHE_DIR`, else
 `$XDG_CACHE_HOME/preshard`, else `~/.cache/preshard`) and reused afterwards. A build runs in a
 temporary directory that is renamed into place only when it succeeded, under a file lock, so
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from preshard.devenv import versions
-from preshard.devenv.procs import DevEnvError
+from preshard_devenv import versions
+from preshard_devenv.procs import DevEnvError
 
 Log = Callable[[str], None]
 
@@ -249,7 +249,7 @@ class _GoBuild:
                 f"exited with code {result.returncode}. The Go module proxy must be reachable "
                 f"(GOPROXY={os.environ.get('GOPROXY', 'https://proxy.golang.org')}) and Go must "
                 f"be {versions.GO_MINIMUM} or newer; fix the cause and run "
-                f"`python -m preshard.devenv build` again. The end of {self.log_path}:\n{tail}"
+                f"`python -m preshard_devenv build` again. The end of {self.log_path}:\n{tail}"
             )
         return result.stdout
 

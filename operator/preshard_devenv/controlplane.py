@@ -4,7 +4,7 @@ Every process binds to 127.0.0.1 on free ports, keeps its data and log under the
 work directory, and is stopped by its own pid. The API server serves TLS with the cluster's
 own CA, authenticates client certificates and ServiceAccount tokens, and enforces RBAC, so a
 test acting as a ServiceAccount gets exactly the rights its Roles grant. kwok plays the
-kubelet of the fake GPU nodes (see `preshard.devenv.nodes`).
+kubelet of the fake GPU nodes (see `preshard_devenv.nodes`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any, Final
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from preshard.devenv import binaries, kubeconfig, nodes, pki, procs
-from preshard.devenv.procs import DevEnvError
+from preshard_devenv import binaries, kubeconfig, nodes, pki, procs
+from preshard_devenv.procs import DevEnvError
 
 Log = Callable[[str], None]
 
@@ -391,7 +391,7 @@ class LocalCluster:
             stop_timeout=10,
         )
         stages = self.work_dir / "kwok" / _STAGES_RESOURCE
-        stages.write_text(resources.files("preshard.devenv").joinpath(_STAGES_RESOURCE).read_text())
+        stages.write_text(resources.files("preshard_devenv").joinpath(_STAGES_RESOURCE).read_text())
         kwok_port = self._ports["kwok"]
         kwok = self._start(
             "kwok",

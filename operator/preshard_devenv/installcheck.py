@@ -4,7 +4,7 @@ When two wheels write the same path, an installer that unpacks wheels in paralle
 keeps whichever copy it writes last, so the same lock gives a working environment on one
 machine and a broken import on the next. This reads every distribution's RECORD in the
 environment's site-packages and names each pair of distributions that claim one path. It
-uses only the standard library. Run it as `python -m preshard.devenv check-install`.
+uses only the standard library. Run it as `python -m preshard_devenv check-install`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Final
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from preshard.devenv.pki import CertificateAuthority
+from preshard_devenv.pki import CertificateAuthority
 
 ReadLog = Callable[[str, str, str], str | None]
 """(namespace, pod, container) -> the container's output so far, None for an unknown one."""

@@ -4,7 +4,7 @@ It starts the local control plane and S3 server (`background.up`), builds the ti
 uploads it as a model source, creates the credentials Secret, and then runs, in the
 foreground until Ctrl-C: the operator, and the test kubelet of node `preshard-runner`, which
 runs the serialize and verify Jobs and the patched vLLM Deployment with vLLM's CPU build
-(`preshard.devenv.engine`). Once the ShardedModel is Ready and the patched vLLM answers, it
+(`preshard_devenv.engine`). Once the ShardedModel is Ready and the patched vLLM answers, it
 prints a completion from it and the `curl` that asks for one.
 """
 
@@ -24,10 +24,10 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
-from preshard.devenv import background, demo, engine, nodes, procs
-from preshard.devenv.kubeconfig import api_client
-from preshard.devenv.podrunner import PodRunner, image_repository
-from preshard.devenv.tinymodel import write_tiny_llama
+from preshard_devenv import background, demo, engine, nodes, procs
+from preshard_devenv.kubeconfig import api_client
+from preshard_devenv.podrunner import PodRunner, image_repository
+from preshard_devenv.tinymodel import write_tiny_llama
 
 NAMESPACE: Final = "default"
 NAME: Final = "tiny"
