@@ -47,6 +47,7 @@ _CONTROLLERS: Final = (
     "disruption-controller",
     "resourcequota-controller",
     "endpointslice-controller",
+    "ephemeral-volume-controller",
     "node-lifecycle-controller",
     "taint-eviction-controller",
     "pod-garbage-collector-controller",

@@ -155,6 +155,49 @@ def test_every_pod_preshard_creates_passes_the_restricted_standard(
     assert refusals == [], [e.message for e in refusals]
 
 
+def test_scratch_on_a_claim_is_admitted_and_the_claim_made_with_the_pod(
+    kube_api: k8s.ApiClient, restricted_namespace: str
+) -> None:
+    """`scratchVolume`: the serialize pod passes the restricted standard with its generic
+    ephemeral volume, and the controller manager makes the pod's claim as the Job asked."""
+    namespace = restricted_namespace
+    body = {
+        "model": {"id": "org/model", "revision": "abc123"},
+        "storage": {"uri": "s3://models/shards", "endpoint": "http://s3.storage:8333"},
+        "tensorParallelSizes": [2],
+        "serialization": {"scratchSize": "300Gi", "scratchVolume": {"storageClassName": "nvme"}},
+        "verification": {
+            "nodeSelector": MANUAL["nodeSelector"],
+            "tolerations": MANUAL["tolerations"],
+        },
+    }
+    shm.create(kube_api, namespace, "llama", body)
+    key = artifact_key_of(kube_api, namespace, 2)
+    finish_job(kube_api, namespace, job_named(kube_api, namespace, f"{key[:8]}-verify-1"), MISSING)
+    serialize = job_named(kube_api, namespace, f"{key[:8]}-serialize-1")
+    core = k8s.CoreV1Api(kube_api)
+
+    def claim() -> dict[str, Any] | None:
+        claims = plain(kube_api, core.list_namespaced_persistent_volume_claim(namespace))["items"]
+        return claims[0] if claims else None
+
+    made = wait_for(claim, what="the serialize pod's scratch claim")
+    pod = plain(
+        kube_api,
+        core.list_namespaced_pod(
+            namespace, label_selector=f"job-name={serialize['metadata']['name']}"
+        ),
+    )["items"][0]
+    assert made["metadata"]["name"] == f"{pod['metadata']['name']}-scratch"
+    assert [o["kind"] for o in made["metadata"]["ownerReferences"]] == ["Pod"]
+    assert made["spec"]["storageClassName"] == "nvme"
+    assert made["spec"]["resources"]["requests"] == {"storage": "300Gi"}
+    requests = pod["spec"]["containers"][0]["resources"]["requests"]
+    assert "ephemeral-storage" not in requests
+    refusals = core.list_namespaced_event(namespace, field_selector="reason=FailedCreate").items
+    assert refusals == [], [e.message for e in refusals]
+
+
 def tp_set(
     api: k8s.ApiClient, namespace: str, tp: int, stage: str | None = None
 ) -> dict[str, Any] | None:
