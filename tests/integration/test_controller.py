@@ -108,6 +108,11 @@ def test_lifecycle_probe_serialize_verify_patch(kube_api: k8s.ApiClient, namespa
     (entry,) = resource["status"]["shardSets"]
     assert (entry["stage"], entry["totalBytes"], entry["vllmVersion"]) == ("Verified", 42, "0.34.0")
     assert resource["status"]["observedGeneration"] == 1
+    # Only the finalizer of kopf's own bookkeeping is written (no record of the handled spec).
+    assert resource["metadata"]["finalizers"] == ["preshard.dev/cleanup"]
+    assert not any(
+        key.startswith("preshard.dev/") for key in resource["metadata"].get("annotations") or {}
+    )
 
     deployment = shm.read_deployment(kube_api, namespace, "vllm")
     args = shm.vllm_args(deployment)

@@ -153,14 +153,28 @@ class Wakeups:
         self.selecting[namespace].discard(name)
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """No record of the last handled spec, so no write of one.
+
+    kopf keeps the spec it handled last (by default in an annotation) to tell creations and
+    updates apart for its change handlers. The only change handler here is `on.delete`, which
+    kopf finds by the deletion timestamp, not by a diff; the daemon reconciles from the whole
+    body. The record would cost every ShardedModel a write and a watch event for nothing.
+    """
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Every kopf setting and every shared client, in one place."""
     settings.persistence.finalizer = f"{models.GROUP}/cleanup"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=models.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=models.GROUP, key="last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = NoDiffBase()
     # Events are posted by the reconciler on transitions; kopf's own log lines are not events.
     settings.posting.level = logging.WARNING
     # The resources are known in advance; scanning CRDs and namespaces would need RBAC the
