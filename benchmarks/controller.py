@@ -69,7 +69,7 @@ from benchmarks import common
 from preshard.api import models
 from preshard.builders import jobs
 from preshard.builders.common import Owner, ShardSet
-from preshard.identity import artifact_key
+from preshard.builders.identity import artifact_key
 from preshard.settings import Settings
 from preshard_devenv import nodes, procs
 from preshard_devenv.controlplane import LocalCluster

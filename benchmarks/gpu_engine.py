@@ -35,8 +35,8 @@ if __package__ in (None, ""):
     sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "operator")]
 
 from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
+from preshard.contract.layout import RANK_FILE_TEMPLATE, rank_file_name
 from preshard.dataplane.engine import EngineRequest
-from preshard.layout import RANK_FILE_TEMPLATE, rank_file_name
 from preshard_devenv import procs
 from preshard_devenv.engine import TINY_LLAMA, Completion, complete
 from preshard_devenv.tinymodel import CONFIG_FILES, write_tiny_llama

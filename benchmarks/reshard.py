@@ -48,9 +48,9 @@ from tests.support.vllm_layout import write_vllm_set
 
 from benchmarks import common
 from benchmarks.serialize import make_model, plan_model, upload_directory
-from preshard.layout import MANIFEST_NAME
-from preshard.manifest import Manifest, ManifestFile
-from preshard.outcome import Outcome
+from preshard.contract.layout import MANIFEST_NAME
+from preshard.contract.outcome import Outcome
+from preshard.dataplane.manifest import Manifest, ManifestFile
 
 NAME: Final = "reshard"
 SCRATCH: Final = common.ROOT / "benchmarks" / "scratch" / NAME

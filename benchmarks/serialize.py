@@ -57,10 +57,10 @@ from tests.support.models import TinyModel, make_tiny_model
 
 from benchmarks import common
 from preshard import cli
+from preshard.contract.layout import RANK_FILE_TEMPLATE
+from preshard.contract.outcome import Outcome
 from preshard.dataplane import s3
 from preshard.dataplane.engine import ENGINE_ENV, EngineRequest
-from preshard.layout import RANK_FILE_TEMPLATE
-from preshard.outcome import Outcome
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from typing import NoReturn, cast
 
 from preshard import __version__
+from preshard.contract.outcome import Command
 from preshard.controller import cli as controller_cli
 from preshard.dataplane import cli as dataplane_cli
-from preshard.outcome import Command
 
 
 class UsageError(Exception):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from preshard import __version__
-from preshard.quantity import QuantityError, whole_bytes
+from preshard.contract.quantity import QuantityError, whole_bytes
 
 ENV_PREFIX: Final = "PRESHARD_"
 MAX_PORT: Final = 65535

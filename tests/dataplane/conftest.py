@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from preshard import cli
-from preshard.outcome import Outcome
+from preshard.contract.outcome import Outcome
 from preshard_devenv.s3server import S3Server
 from tests.support import engine
 from tests.support.models import TinyModel, make_tiny_model, upload_model

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from preshard import reasons
-from preshard.outcome import Outcome
+from preshard.contract import reasons
+from preshard.contract.outcome import Outcome
 from preshard_devenv import procs
 from preshard_devenv.s3server import S3Server
 from tests.support import engine

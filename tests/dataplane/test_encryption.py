@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tensorizer.serialization import CryptographyError
 
-from preshard import reasons
+from preshard.contract import reasons
 from tests.dataplane.conftest import Cli, read_manifest, serialize_args
 from tests.support.models import TinyModel, assert_shards_match, download_prefix, load_rank_files
 from tests.support.s3 import S3Bucket

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from preshard import reasons
-from preshard.outcome import exit_code
+from preshard.contract import reasons
+from preshard.contract.outcome import exit_code
 from preshard_devenv import procs
 from tests.dataplane.conftest import Cli, copy_set, serialize_args
 from tests.support.s3 import S3Bucket

@@ -22,8 +22,8 @@ import torch
 from tensorizer import TensorDeserializer
 
 from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
-from preshard.layout import S3Location, tensorizer_uri
-from preshard.outcome import Outcome
+from preshard.contract.layout import S3Location, tensorizer_uri
+from preshard.contract.outcome import Outcome
 from preshard_devenv import engine, procs
 from preshard_devenv.s3server import S3Server
 from preshard_devenv.vllm_cpu import preshard_vllm_cpu_shims as shims

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
-from preshard.layout import tensorizer_uri
+from preshard.contract.layout import tensorizer_uri
 from preshard_devenv import engine, procs
 from preshard_devenv.s3server import S3Server
 from tests.support.commands import pod_env, run_preshard

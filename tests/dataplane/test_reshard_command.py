@@ -17,11 +17,11 @@ import tensorizer
 import torch
 from tensorizer.serialization import CryptographyError
 
-from preshard import reasons
+from preshard.contract import reasons
+from preshard.contract.layout import MANIFEST_NAME
+from preshard.contract.outcome import exit_code
+from preshard.dataplane.manifest import Manifest, ManifestFile
 from preshard.dataplane.upload import FileKind
-from preshard.layout import MANIFEST_NAME
-from preshard.manifest import Manifest, ManifestFile
-from preshard.outcome import exit_code
 from tests.dataplane.conftest import Cli, read_manifest
 from tests.support.engine import load_checkpoint
 from tests.support.models import TinyModel, download_prefix, load_rank_files, make_tiny_model

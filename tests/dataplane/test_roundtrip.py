@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from preshard import reasons
+from preshard.contract import reasons
 from preshard_devenv.s3server import S3Server
 from tests.dataplane.conftest import Cli, read_manifest, serialize_args
 from tests.support import engine

@@ -19,9 +19,9 @@ from typing import Any
 import boto3
 import pytest
 
-from preshard import reasons
+from preshard.contract import reasons
+from preshard.contract.outcome import exit_code
 from preshard.dataplane.s3 import AddressingStyle, make_client
-from preshard.outcome import exit_code
 from preshard_devenv import pki
 from tests.dataplane.conftest import Cli, serialize_args
 from tests.dataplane.tls_store import TlsStore, tls_s3_server

@@ -9,8 +9,10 @@ from typing import Any
 import botocore.exceptions
 import pytest
 
-from preshard import reasons
 from preshard.cli import main
+from preshard.contract import reasons
+from preshard.contract.engine_args import RESERVED_ENGINE_ARGS
+from preshard.contract.outcome import Outcome, exit_code
 from preshard.dataplane.cli import parse_size
 from preshard.dataplane.engine import (
     EngineRequest,
@@ -25,8 +27,6 @@ from preshard.dataplane.source import select_files
 from preshard.dataplane.upload import MAX_PARTS, MIB, crc32_header, part_size_for
 from preshard.dataplane.vllm_engine import build_engine_kwargs, build_tensorizer_kwargs
 from preshard.dataplane.vllm_worker import EXTENSION_QUALNAME
-from preshard.engine_args import RESERVED_ENGINE_ARGS
-from preshard.outcome import Outcome, exit_code
 from tests.support import engine
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from preshard import cli, reasons
-from preshard.outcome import Outcome
+from preshard import cli
+from preshard.contract import reasons
+from preshard.contract.outcome import Outcome
 from preshard_devenv.s3server import S3Server, start_s3_server
 from tests.support import engine
 from tests.support.models import TinyModel, make_tiny_model, upload_model

@@ -23,9 +23,9 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from preshard import reasons
 from preshard.api import models
-from preshard.outcome import Outcome
+from preshard.contract import reasons
+from preshard.contract.outcome import Outcome
 from preshard_devenv.nodes import on_node
 from preshard_devenv.podrunner import PodRunner
 from preshard_devenv.s3server import S3Server

@@ -24,8 +24,8 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from preshard import reasons
 from preshard.api import models
+from preshard.contract import reasons
 from preshard_devenv.nodes import on_node
 from tests.e2e import support
 from tests.helm.conftest import Namespaces

@@ -22,8 +22,8 @@ import pytest
 from kubernetes import client as k8s
 from tensorizer.serialization import CryptographyError
 
-from preshard import reasons
-from preshard.outcome import Outcome
+from preshard.contract import reasons
+from preshard.contract.outcome import Outcome
 from preshard_devenv.podrunner import PodRunner
 from tests.e2e import support
 from tests.helm.support import Tool

@@ -17,7 +17,7 @@ from typing import Any, Final
 import pytest
 from kubernetes import client as k8s
 
-from preshard import reasons
+from preshard.contract import reasons
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.nodes import TEST_NODE_LABEL
 from preshard_devenv.podrunner import PodRunner

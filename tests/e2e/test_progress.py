@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from preshard import reasons
+from preshard.contract import reasons
 from tests.e2e import support
 from tests.e2e.engine import EngineControl
 from tests.helm.support import Tool

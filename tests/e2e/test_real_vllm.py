@@ -42,8 +42,8 @@ from typing import Any, Final
 import pytest
 from kubernetes import client as k8s
 
-from preshard import reasons
-from preshard.layout import S3Location
+from preshard.contract import reasons
+from preshard.contract.layout import S3Location
 from preshard_devenv import engine, procs
 from preshard_devenv.nodes import on_node
 from preshard_devenv.podrunner import PodRunner, image_repository

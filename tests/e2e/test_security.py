@@ -18,9 +18,9 @@ from typing import Any, Final
 import pytest
 from kubernetes import client as k8s
 
-from preshard import reasons
 from preshard.builders.jobs import CONTAINER
 from preshard.builders.target import INIT_CONTAINER
+from preshard.contract import reasons
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.podrunner import PodRunner
 from tests.e2e import engine, support

@@ -16,7 +16,7 @@ from typing import Any, Final
 import pytest
 from kubernetes import client as k8s
 
-from preshard import reasons
+from preshard.contract import reasons
 from preshard_devenv.s3server import start_s3_server
 from tests.e2e import support
 from tests.e2e.engine import EngineControl

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from preshard import reasons
+from preshard.contract import reasons
 from tests.support import shardedmodels as shm
 from tests.support.cluster import wait_for
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from preshard import reasons
-from preshard.outcome import Outcome
+from preshard.contract import reasons
+from preshard.contract.outcome import Outcome
 from preshard_devenv import binaries
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.nodes import on_node

@@ -13,8 +13,8 @@ from typing import Any, Final
 import pytest
 from kubernetes import client as k8s
 
-from preshard import reasons
-from preshard.outcome import Outcome
+from preshard.contract import reasons
+from preshard.contract.outcome import Outcome
 from preshard_devenv.nodes import on_node
 from tests.support import shardedmodels as shm
 from tests.support.cluster import finish_job, plain, wait_for

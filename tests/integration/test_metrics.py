@@ -17,8 +17,8 @@ from kubernetes import client as k8s
 from prometheus_client.parser import text_string_to_metric_families
 
 import preshard
-from preshard import reasons
-from preshard.outcome import Outcome, exit_code
+from preshard.contract import reasons
+from preshard.contract.outcome import Outcome, exit_code
 from preshard_devenv import procs
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.nodes import on_node

@@ -18,8 +18,8 @@ from typing import Any, Final
 import pytest
 from kubernetes import client as k8s
 
-from preshard import reasons
 from preshard.builders.target import INIT_CONTAINER
+from preshard.contract import reasons
 from preshard.controller.plan import ANNOTATION_RETRY
 from tests.support import shardedmodels as shm
 from tests.support.cluster import plain, wait_for

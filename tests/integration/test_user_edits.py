@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from preshard import reasons
+from preshard.contract import reasons
 from tests.integration.test_controller import spec
 from tests.integration.test_rollout import events
 from tests.support import shardedmodels as shm

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from preshard import reasons
 from preshard.builders.target import INIT_CONTAINER
+from preshard.contract import reasons
 from tests.integration.conftest import OPERATOR_ENV
 from tests.integration.test_controller import spec
 from tests.support import shardedmodels as shm

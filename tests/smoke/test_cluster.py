@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from preshard import reasons
+from preshard.contract import reasons
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.nodes import on_node
 from tests.support.cluster import (

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from preshard.outcome import Outcome, exit_code
+from preshard.contract.outcome import Outcome, exit_code
 from preshard_devenv import nodes
 from preshard_devenv.kubeconfig import api_client
 

@@ -6,7 +6,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from preshard.outcome import Outcome
+from preshard.contract.outcome import Outcome
 from preshard_devenv.s3server import S3Server
 
 

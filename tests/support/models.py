@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from preshard.layout import S3Location
-from preshard.outcome import Outcome
+from preshard.contract.layout import S3Location
+from preshard.contract.outcome import Outcome
 from preshard_devenv.tinymodel import CONFIG_FILES, write_tiny_llama
 from tests.support.engine import cast, load_checkpoint, split_dim
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Final
 
-from preshard.layout import S3Location
+from preshard.contract.layout import S3Location
 from preshard_devenv import engine
 from preshard_devenv.s3server import S3Server
 from tests.support.commands import pod_env, run_preshard

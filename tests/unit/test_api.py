@@ -16,7 +16,7 @@ from preshard.api.models import (
     parse_spec,
 )
 from preshard.api.status import ShardedModelStatus
-from preshard.engine_args import RESERVED_ENGINE_ARGS
+from preshard.contract.engine_args import RESERVED_ENGINE_ARGS
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / "shardedmodels.preshard.dev.yaml"

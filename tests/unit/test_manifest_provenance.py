@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from preshard.manifest import Manifest, ManifestFile, ReshardedFrom
+from preshard.dataplane.manifest import Manifest, ManifestFile, ReshardedFrom
 
 DIGEST = "0" * 64
 

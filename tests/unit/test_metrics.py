@@ -25,10 +25,11 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from preshard import conditions, reasons
 from preshard.api.status import Condition, ShardedModelStatus
 from preshard.builders.common import LABEL_COMMAND, Manifest
-from preshard.controller import kube, metrics
+from preshard.contract import reasons
+from preshard.contract.outcome import Outcome, exit_code
+from preshard.controller import conditions, kube, metrics
 from preshard.controller.observe import JobView, PodView
 from preshard.controller.reconciler import (
     CleanupPendingError,
@@ -36,7 +37,6 @@ from preshard.controller.reconciler import (
     first_ready,
     observed_for,
 )
-from preshard.outcome import Outcome, exit_code
 from preshard.settings import Settings, SettingsError
 
 NAMESPACE = "models"

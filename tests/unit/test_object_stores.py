@@ -28,7 +28,7 @@ from preshard.builders.target import (
     build_restored_deployment,
     managed_view,
 )
-from preshard.layout import S3Location
+from preshard.contract.layout import S3Location
 from preshard.settings import Settings
 
 OWNER = Owner(name="llama", namespace="models", uid="1234")

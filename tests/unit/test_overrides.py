@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from preshard import reasons
 from preshard.builders.target import (
     PatchedDeployment,
     Refusal,
@@ -25,6 +24,7 @@ from preshard.builders.vllm_args import (
     UnsupportedCommandError,
     rewrite_vllm_command,
 )
+from preshard.contract import reasons
 from tests.unit.test_target import deployment, target_input
 
 MODEL_DIR = "/var/run/preshard/model"

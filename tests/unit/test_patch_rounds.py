@@ -9,8 +9,9 @@ import json
 from datetime import timedelta
 from typing import Any
 
-from preshard import conditions, reasons
 from preshard.builders.target import ANNOTATION_INPUT_HASH, ANNOTATION_PATCH_ROUNDS
+from preshard.contract import reasons
+from preshard.controller import conditions
 from preshard.controller.plan import ANNOTATION_RETRY, PATCH_ROUNDS_WINDOW, Event
 from tests.unit.test_plan import World, drive_to_ready
 

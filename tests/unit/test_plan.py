@@ -15,14 +15,15 @@ from typing import Any
 
 import pytest
 
-from preshard import conditions, reasons
 from preshard.api.models import parse_spec
 from preshard.api.status import ShardedModelStatus
 from preshard.builders.common import Owner
 from preshard.builders.target import ANNOTATION_OWNER
+from preshard.contract import reasons
+from preshard.contract.outcome import Outcome, exit_code
+from preshard.controller import conditions
 from preshard.controller.observe import JobView, PodView, TargetPodView, target_pod_view
 from preshard.controller.plan import Event, Observed, Plan, Resource, plan
-from preshard.outcome import Outcome, exit_code
 from preshard.settings import Settings
 
 NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)

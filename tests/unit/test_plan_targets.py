@@ -6,7 +6,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from preshard import conditions, reasons
+from preshard.contract import reasons
+from preshard.controller import conditions
 from preshard.controller.plan import Event
 from tests.unit.test_plan import BASE_SPEC, OVERRIDDEN, World, deployment, drive_to_ready
 

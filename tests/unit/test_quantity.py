@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from preshard.quantity import (
+from preshard.contract.quantity import (
     MAX_BINARY,
     QUANTITY_PATTERN,
     QuantityError,

@@ -7,13 +7,12 @@ from collections.abc import Mapping
 
 import pytest
 
-from preshard import conditions, reasons
 from preshard.api.models import parse_spec
 from preshard.api.status import Condition
-from preshard.identity import artifact_key
-from preshard.layout import InvalidURIError, S3Location, rank_file_names, tensorizer_uri
-from preshard.manifest import Manifest, ManifestFile
-from preshard.outcome import (
+from preshard.builders.identity import artifact_key
+from preshard.contract import reasons
+from preshard.contract.layout import InvalidURIError, S3Location, rank_file_names, tensorizer_uri
+from preshard.contract.outcome import (
     EXIT_CODES,
     PERMANENT_EXIT_CODES,
     TERMINATION_MESSAGE_LIMIT,
@@ -21,6 +20,8 @@ from preshard.outcome import (
     exit_code,
     reason_for_exit_code,
 )
+from preshard.controller import conditions
+from preshard.dataplane.manifest import Manifest, ManifestFile
 from preshard.settings import Settings, SettingsError
 
 SPEC = {

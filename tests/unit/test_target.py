@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import yaml
 
-from preshard import reasons
 from preshard.api.models import Storage, parse_spec
 from preshard.builders.common import Owner, ShardSet, s3_endpoint_url
 from preshard.builders.target import (
@@ -25,6 +24,7 @@ from preshard.builders.target import (
     rollout_complete,
     rollout_state,
 )
+from preshard.contract import reasons
 from preshard.settings import Settings
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "deployments"

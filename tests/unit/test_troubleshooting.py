@@ -1,7 +1,8 @@
 """docs/troubleshooting.md has one row for every reason preshard reports, and no other.
 
-A reason added to `preshard.reasons` without a row on that page fails here, and so does a row
-for a reason that was removed or renamed; the exit-code table must match `outcome.EXIT_CODES`.
+A reason added to `preshard.contract.reasons` without a row on that page fails here, and so
+does a row for a reason that was removed or renamed; the exit-code table must match
+`outcome.EXIT_CODES`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Final
 
-from preshard import reasons
-from preshard.outcome import EXIT_CODES
+from preshard.contract import reasons
+from preshard.contract.outcome import EXIT_CODES
 
 ROOT: Final = Path(__file__).resolve().parents[2]
 PAGE: Final = ROOT / "docs" / "troubleshooting.md"
@@ -22,7 +23,7 @@ Table = tuple[list[str], list[list[str]]]
 
 
 def reason_constants() -> dict[str, str]:
-    """Every reason constant of `preshard.reasons`, by its name."""
+    """Every reason constant of `preshard.contract.reasons`, by its name."""
     return {
         name: value
         for name, value in vars(reasons).items()

@@ -13,13 +13,13 @@ import pytest
 import yaml
 
 from preshard.api.models import parse_spec
+from preshard.builders.identity import artifact_key, shard_set_key
 from preshard.builders.target import (
     INIT_CONTAINER,
     PatchedDeployment,
     managed_view,
     patch_deployment,
 )
-from preshard.identity import artifact_key, shard_set_key
 from preshard.settings import Settings, SettingsError
 from tests.unit import test_plan
 from tests.unit.test_plan import World, drive_to_ready

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import yaml
 
-from preshard import reasons
 from preshard.builders.vllm_args import (
     RewrittenCommand,
     TensorizerLoad,
@@ -26,6 +25,7 @@ from preshard.builders.vllm_args import (
     model_loader_extra_config,
     rewrite_vllm_command,
 )
+from preshard.contract import reasons
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "deployments"
 API_SERVER = "vllm.entrypoints.openai.api_server"

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from preshard import conditions, reasons
 from preshard.api.models import parse_spec
+from preshard.builders.identity import image_tag, serializer_vllm_version, vllm_release
 from preshard.builders.target import (
     ANNOTATION_VLLM_VERSION,
     PatchedDeployment,
@@ -22,7 +22,8 @@ from preshard.builders.target import (
     serving_vllm_version,
 )
 from preshard.cli import main
-from preshard.identity import image_tag, serializer_vllm_version, vllm_release
+from preshard.contract import reasons
+from preshard.controller import conditions
 from preshard.settings import Settings
 from tests.unit.test_plan import World, deployment, drive_to_ready
 from tests.unit.test_target import KEY, target_input

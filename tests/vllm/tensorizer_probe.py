@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from preshard.contract.engine_args import RESERVED_ENGINE_ARGS
 from preshard.dataplane.engine import EngineRequest
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.vllm_engine import VllmEngine, build_engine_kwargs, build_tensorizer_kwargs
 from preshard.dataplane.vllm_worker import SkipExtraArtifacts
-from preshard.engine_args import RESERVED_ENGINE_ARGS
 from tests.support.models import make_tiny_model
 
 TP_SIZES = (1, 2, 4)

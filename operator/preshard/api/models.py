@@ -22,9 +22,9 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from preshard.engine_args import RESERVED_ENGINE_ARGS
-from preshard.layout import S3_URI_PATTERN
-from preshard.quantity import QUANTITY_PATTERN, QuantityError, parse_quantity, whole_bytes
+from preshard.contract.engine_args import RESERVED_ENGINE_ARGS
+from preshard.contract.layout import S3_URI_PATTERN
+from preshard.contract.quantity import QUANTITY_PATTERN, QuantityError, parse_quantity, whole_bytes
 
 GROUP: Final = "preshard.dev"
 VERSION: Final = "v1alpha1"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from preshard.api import models
-from preshard.layout import S3Location, shard_set_location
+from preshard.contract.layout import S3Location, shard_set_location
 from preshard.settings import Settings
 
 Manifest = dict[str, Any]

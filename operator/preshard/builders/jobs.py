@@ -31,9 +31,9 @@ from preshard.builders.common import (
     s3_args,
     s3_env,
 )
-from preshard.identity import normalise_engine_args
-from preshard.layout import S3Location
-from preshard.outcome import PERMANENT_EXIT_CODES
+from preshard.builders.identity import normalise_engine_args
+from preshard.contract.layout import S3Location
+from preshard.contract.outcome import PERMANENT_EXIT_CODES
 from preshard.settings import Settings
 
 SERIALIZE: Final = "serialize"

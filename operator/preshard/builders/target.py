@@ -29,7 +29,6 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from preshard import reasons
 from preshard.api import models
 from preshard.builders.common import (
     CA_BUNDLE_PATH,
@@ -48,6 +47,7 @@ from preshard.builders.common import (
     s3_endpoint_url,
     s3_env,
 )
+from preshard.builders.identity import image_tag, vllm_release
 from preshard.builders.vllm_args import (
     ContainerCommand,
     TensorizerLoad,
@@ -56,8 +56,8 @@ from preshard.builders.vllm_args import (
     restore_vllm_command,
     rewrite_vllm_command,
 )
-from preshard.identity import image_tag, vllm_release
-from preshard.layout import tensorizer_uri
+from preshard.contract import reasons
+from preshard.contract.layout import tensorizer_uri
 from preshard.settings import Settings
 
 ANNOTATION_OWNER: Final = "preshard.dev/owner"

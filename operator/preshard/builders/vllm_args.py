@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final, Literal
 
-from preshard import reasons
+from preshard.contract import reasons
 
 # The `vllm/vllm-openai` image's ENTRYPOINT (vllm-project/vllm docker/Dockerfile, final
 # stage `vllm-openai`: `ENTRYPOINT ["vllm", "serve"]`). A container that sets only `args`

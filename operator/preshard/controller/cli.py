@@ -12,11 +12,11 @@ from typing import Any
 
 import yaml
 
-from preshard import reasons
 from preshard.api import models
 from preshard.builders import jobs, target
 from preshard.builders.common import Manifest, Owner, ShardSet
-from preshard.identity import serializer_vllm_version, shard_set_key
+from preshard.builders.identity import serializer_vllm_version, shard_set_key
+from preshard.contract import reasons
 from preshard.settings import Settings, SettingsError
 
 Subparsers = argparse._SubParsersAction

@@ -21,10 +21,10 @@ from typing import Any, Final
 
 import kopf
 
-from preshard import reasons
 from preshard.api import models
 from preshard.builders import jobs, target
 from preshard.builders.common import LABEL_MANAGED_BY, LABEL_SHARDEDMODEL, MANAGED_BY
+from preshard.contract import reasons
 from preshard.controller import kube, metrics, progress
 from preshard.controller.observe import (
     JobView,

@@ -33,8 +33,9 @@ from prometheus_client import (
     start_http_server,
 )
 
-from preshard import __version__, reasons
-from preshard.outcome import Command, Outcome
+from preshard import __version__
+from preshard.contract import reasons
+from preshard.contract.outcome import Command, Outcome
 
 # The metric names; Prometheus adds `_total` to counters and `_bucket`, `_sum` and `_count` to
 # histograms in what it scrapes.

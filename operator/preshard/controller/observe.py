@@ -11,12 +11,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from preshard import reasons
 from preshard.builders.common import LABEL_COMMAND
 from preshard.builders.jobs import CONTAINER
 from preshard.builders.rollout import container_digest
 from preshard.builders.target import INIT_CONTAINER
-from preshard.outcome import Command, Outcome, reason_for_exit_code
+from preshard.contract import reasons
+from preshard.contract.outcome import Command, Outcome, reason_for_exit_code
 
 Manifest = dict[str, Any]
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Final, Literal
 
-from preshard import conditions, reasons
 from preshard.api import models
 from preshard.api.status import (
     Condition,
@@ -32,11 +31,13 @@ from preshard.api.status import (
 )
 from preshard.builders import jobs, target
 from preshard.builders.common import Manifest, Owner, ShardSet, child_name
+from preshard.builders.identity import serializer_vllm_version, shard_set_key
 from preshard.builders.rollout import Rollout, rollout_of, template_digests
+from preshard.contract import reasons
+from preshard.contract.layout import shard_set_location
+from preshard.contract.outcome import Outcome
+from preshard.controller import conditions
 from preshard.controller.observe import JobView, TargetPodView
-from preshard.identity import serializer_vllm_version, shard_set_key
-from preshard.layout import shard_set_location
-from preshard.outcome import Outcome
 from preshard.settings import Settings
 
 ANNOTATION_RETRY: Final = "preshard.dev/retry"

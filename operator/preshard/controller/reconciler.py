@@ -16,13 +16,14 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Final
 
-from preshard import conditions, reasons
 from preshard.api import models
 from preshard.api.models import InvalidSpecError, ShardedModelSpec, parse_spec
 from preshard.api.status import ShardedModelStatus, ShardSetStatus
 from preshard.builders import jobs, target
 from preshard.builders.common import LABEL_COMMAND, Manifest, Owner, ShardSet, child_name
-from preshard.controller import kube, metrics
+from preshard.contract import reasons
+from preshard.contract.outcome import Outcome
+from preshard.controller import conditions, kube, metrics
 from preshard.controller.observe import JobView, TargetPodView
 from preshard.controller.plan import (
     DeploymentPatch,
@@ -33,7 +34,6 @@ from preshard.controller.plan import (
     plan,
     plan_invalid,
 )
-from preshard.outcome import Outcome
 from preshard.settings import Settings
 
 ANNOTATION_SKIP_CLEANUP: Final = "preshard.dev/skip-cleanup"

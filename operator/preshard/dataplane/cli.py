@@ -20,12 +20,18 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Final
 
-from preshard import reasons
+from preshard.contract import reasons
+from preshard.contract.layout import InvalidURIError, S3Location
+from preshard.contract.outcome import (
+    DEFAULT_TERMINATION_LOG,
+    EXIT_CODES,
+    Command,
+    Outcome,
+    exit_code,
+)
+from preshard.contract.quantity import QuantityError, whole_bytes
 from preshard.dataplane import logs
 from preshard.dataplane.errors import DataplaneError
-from preshard.layout import InvalidURIError, S3Location
-from preshard.outcome import DEFAULT_TERMINATION_LOG, EXIT_CODES, Command, Outcome, exit_code
-from preshard.quantity import QuantityError, whole_bytes
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

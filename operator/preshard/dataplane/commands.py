@@ -9,16 +9,16 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from preshard import reasons
+from preshard.contract import reasons
+from preshard.contract.layout import MANIFEST_NAME, S3Location
+from preshard.contract.outcome import Command, Outcome
 from preshard.dataplane.download import PARTIAL_SUFFIX, local_path, stream_sha256
 from preshard.dataplane.errors import DataplaneError, classify_s3_error
 from preshard.dataplane.logs import human_bytes, logger
+from preshard.dataplane.manifest import ManifestFile
 from preshard.dataplane.s3 import list_sizes, require_prefix
 from preshard.dataplane.shardset import CheckedSet, check_shard_set, deep_check, set_outcome
 from preshard.dataplane.upload import abort_incomplete_uploads
-from preshard.layout import MANIFEST_NAME, S3Location
-from preshard.manifest import ManifestFile
-from preshard.outcome import Command, Outcome
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

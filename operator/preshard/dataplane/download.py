@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from preshard import reasons
+from preshard.contract import reasons
+from preshard.contract.layout import S3Location
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.logs import Progress, human_bytes, logger
 from preshard.dataplane.s3 import RetryPolicy, call_with_retries
-from preshard.layout import S3Location
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol, TypeAlias, runtime_checkable
 
-from preshard import reasons
+from preshard.contract import reasons
+from preshard.contract.engine_args import RESERVED_ENGINE_ARGS
+from preshard.contract.layout import RANK_FILE_TEMPLATE
 from preshard.dataplane.errors import DataplaneError
-from preshard.engine_args import RESERVED_ENGINE_ARGS
-from preshard.layout import RANK_FILE_TEMPLATE
 
 ENGINE_ENV: Final = "PRESHARD_ENGINE"
 DEFAULT_ENGINE: Final = "preshard.dataplane.vllm_engine:VllmEngine"

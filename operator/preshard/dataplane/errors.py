@@ -7,7 +7,7 @@ log and the termination message.
 
 from __future__ import annotations
 
-from preshard import reasons
+from preshard.contract import reasons
 
 # S3 error codes that mean the credentials are missing, wrong or not allowed to do this.
 _ACCESS_DENIED_CODES = frozenset(

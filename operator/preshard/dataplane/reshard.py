@@ -28,10 +28,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from preshard import reasons
+from preshard.contract import reasons
+from preshard.contract.layout import S3Location, rank_file_names
+from preshard.contract.outcome import Outcome
 from preshard.dataplane.download import download_files, local_path
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.logs import heartbeat, human_bytes, logger
+from preshard.dataplane.manifest import Manifest, ManifestFile, ReshardedFrom
 from preshard.dataplane.s3 import get_small_object, require_prefix
 from preshard.dataplane.scratch import ScratchEstimate, check_room, directory_bytes
 from preshard.dataplane.serialize import (
@@ -44,9 +47,6 @@ from preshard.dataplane.serialize import (
 from preshard.dataplane.shardset import CheckedSet, check_shard_set, set_outcome
 from preshard.dataplane.tp_layout import ModelShape, UnsupportedLayoutError, model_shape
 from preshard.dataplane.upload import LocalFile, TransferSettings, sha256_of_file
-from preshard.layout import S3Location, rank_file_names
-from preshard.manifest import Manifest, ManifestFile, ReshardedFrom
-from preshard.outcome import Outcome
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal, TypeVar
 from urllib.parse import urlsplit
 
-from preshard import __version__, reasons
+from preshard import __version__
+from preshard.contract import reasons
+from preshard.contract.layout import S3Location
 from preshard.dataplane.errors import DataplaneError, classify_s3_error, is_transient, s3_error_code
 from preshard.dataplane.logs import logger
-from preshard.layout import S3Location
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

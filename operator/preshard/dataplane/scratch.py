@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from preshard import reasons
+from preshard.contract import reasons
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.logs import human_bytes
 

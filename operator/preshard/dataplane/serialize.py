@@ -24,7 +24,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from preshard import reasons
+from preshard.contract import reasons
+from preshard.contract.layout import MANIFEST_NAME, S3Location, rank_file_names
+from preshard.contract.outcome import Outcome
 from preshard.dataplane.engine import (
     Engine,
     EngineArgValue,
@@ -34,6 +36,7 @@ from preshard.dataplane.engine import (
 )
 from preshard.dataplane.errors import DataplaneError, classify_s3_error
 from preshard.dataplane.logs import heartbeat, human_bytes, logger
+from preshard.dataplane.manifest import Manifest, ManifestFile
 from preshard.dataplane.s3 import list_sizes, require_prefix
 from preshard.dataplane.scratch import ScratchEstimate, check_room, directory_bytes
 from preshard.dataplane.shardset import CheckedSet, check_shard_set, set_outcome
@@ -45,9 +48,6 @@ from preshard.dataplane.upload import (
     Uploader,
     abort_incomplete_uploads,
 )
-from preshard.layout import MANIFEST_NAME, S3Location, rank_file_names
-from preshard.manifest import Manifest, ManifestFile
-from preshard.outcome import Outcome
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

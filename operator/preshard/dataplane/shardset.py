@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Final
 
 from pydantic import ValidationError
 
-from preshard import reasons
+from preshard.contract import reasons
+from preshard.contract.layout import MANIFEST_NAME, S3Location
+from preshard.contract.outcome import Command, Outcome
 from preshard.dataplane.download import stream_sha256
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.logs import human_bytes, logger
+from preshard.dataplane.manifest import Manifest, ManifestFile
 from preshard.dataplane.s3 import get_small_object, list_sizes
-from preshard.layout import MANIFEST_NAME, S3Location
-from preshard.manifest import Manifest, ManifestFile
-from preshard.outcome import Command, Outcome
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Protocol
 
-from preshard import reasons
+from preshard.contract import reasons
+from preshard.contract.layout import InvalidURIError, S3Location
 from preshard.dataplane.download import download_files
 from preshard.dataplane.errors import DataplaneError, classify_hub_error, classify_s3_error
 from preshard.dataplane.logs import heartbeat, human_bytes, logger
 from preshard.dataplane.s3 import get_small_object, list_sizes
 from preshard.dataplane.scratch import directory_bytes
-from preshard.layout import InvalidURIError, S3Location
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from preshard import reasons
+from preshard.contract import reasons
+from preshard.contract.layout import S3Location
 from preshard.dataplane.errors import DataplaneError, classify_s3_error, s3_error_code
 from preshard.dataplane.logs import Progress, human_bytes, logger
 from preshard.dataplane.s3 import RetryPolicy, call_with_retries
-from preshard.layout import S3Location
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from preshard import reasons
+from preshard.contract import reasons
 from preshard.dataplane.engine import EngineRequest, EngineVersions
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.vllm_worker import EXTENSION_QUALNAME

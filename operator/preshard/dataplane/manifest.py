@@ -12,7 +12,7 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from preshard.layout import rank_file_names
+from preshard.contract.layout import rank_file_names
 
 FORMAT_VERSION: Final = 1
 

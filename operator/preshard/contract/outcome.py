@@ -13,7 +13,7 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from preshard import reasons
+from preshard.contract import reasons
 
 # Kubernetes keeps at most 4096 bytes of a termination message.
 TERMINATION_MESSAGE_LIMIT: Final = 4096
