@@ -82,7 +82,7 @@ def test_the_third_revert_is_refused_and_nothing_is_written() -> None:
         reasons.TARGET_REVERTED,
         REVERTED,
     )
-    assert Event("Warning", reasons.TARGET_REVERTED, f"Deployment vllm: {REVERTED}") in (
+    assert Event("Warning", reasons.TARGET_REVERTED, f"Deployment vllm: {REVERTED}", "vllm") in (
         result.events
     )
     assert world.condition(conditions.READY) == ("False", reasons.TARGET_REVERTED)

@@ -713,11 +713,12 @@ def test_ready_waits_until_every_replica_runs_the_patched_template() -> None:
     assert world.condition(conditions.READY) == ("False", reasons.ROLLING_OUT)
     assert world.condition(conditions.TARGETS_PATCHED) == ("True", reasons.PATCHED)
     assert [e for e in result.events if e.message.startswith("Deployment")] == [
-        Event("Warning", reasons.ARGS_OVERRIDDEN, f"Deployment vllm: {OVERRIDDEN[1:]}"),
+        Event("Warning", reasons.ARGS_OVERRIDDEN, f"Deployment vllm: {OVERRIDDEN[1:]}", "vllm"),
         Event(
             "Normal",
             reasons.ROLLING_OUT,
             f"Deployment vllm: rolling out the patched template that loads {uri}{OVERRIDDEN}",
+            "vllm",
         ),
     ]
 
@@ -795,7 +796,7 @@ def test_a_crash_looping_patched_pod_makes_the_target_unavailable() -> None:
     assert world.condition(conditions.READY) == ("False", reasons.TARGET_UNAVAILABLE)
     assert world.condition(conditions.TARGETS_PATCHED) == ("True", reasons.PATCHED)
     assert result.events == [
-        Event("Warning", reasons.TARGET_UNAVAILABLE, f"Deployment vllm: {expected}")
+        Event("Warning", reasons.TARGET_UNAVAILABLE, f"Deployment vllm: {expected}", "vllm")
     ]
     assert "hunter2" not in world.status.model_dump_json()
     assert result.patches == [], "the patched template stays (policy Keep)"
@@ -807,7 +808,7 @@ def test_a_crash_looping_patched_pod_makes_the_target_unavailable() -> None:
     result = world.step()
     assert target_of(world) == ("Patched", reasons.PATCHED, "complete")
     assert result.events == [
-        Event("Normal", reasons.PATCHED, f"Deployment vllm: loads {uri}{OVERRIDDEN}")
+        Event("Normal", reasons.PATCHED, f"Deployment vllm: loads {uri}{OVERRIDDEN}", "vllm")
     ]
 
 

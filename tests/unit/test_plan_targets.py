@@ -39,7 +39,7 @@ def test_a_new_override_is_announced_again() -> None:
         "shard set's TP size); --model-loader-extra-config: kept your vllm_tensorized"
     )
     assert [e for e in first.events if e.reason == reasons.ARGS_OVERRIDDEN] == [
-        Event("Warning", reasons.ARGS_OVERRIDDEN, f"Deployment vllm: {line}")
+        Event("Warning", reasons.ARGS_OVERRIDDEN, f"Deployment vllm: {line}", "vllm")
     ]
     assert world.status.targets[0].message.endswith(line)
     assert world.step().events == []
@@ -74,6 +74,7 @@ def test_a_dropped_target_keeps_the_users_edits_and_names_what_of_preshards_it_k
             reasons.RESTORED,
             "Deployment vllm restored; kept your own changes to what preshard had set: "
             "resources.limits nvidia.com/gpu",
+            "vllm",
         )
         in result.events
     )
@@ -92,7 +93,7 @@ def test_a_restore_without_kept_changes_is_a_normal_event() -> None:
     world.spec["targets"] = []
     world.generation = 2
     result = world.step()
-    assert Event("Normal", reasons.RESTORED, "Deployment vllm restored") in result.events
+    assert Event("Normal", reasons.RESTORED, "Deployment vllm restored", "vllm") in result.events
 
 
 def owned_by_a_controller() -> dict[str, Any]:

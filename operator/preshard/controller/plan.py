@@ -79,6 +79,9 @@ class Event:
     type: EventType
     reason: str
     message: str
+    deployment: str | None = None
+    """The target Deployment whose patch or restore this event announces: it is posted only if
+    that write is made."""
 
 
 @dataclass(frozen=True)
@@ -826,7 +829,12 @@ class _Planner:
         previous = next((t for t in self.resource.status.targets if t.name == status.name), None)
         if previous is None or line not in previous.message:
             self.plan.events.append(
-                Event("Warning", reasons.ARGS_OVERRIDDEN, f"Deployment {status.name}: {line}")
+                Event(
+                    "Warning",
+                    reasons.ARGS_OVERRIDDEN,
+                    f"Deployment {status.name}: {line}",
+                    deployment=status.name,
+                )
             )
         room = MESSAGE_LIMIT - len(line) - 1
         message = status.message if len(status.message) <= room else status.message[: room - 3]
@@ -1098,6 +1106,7 @@ class _Planner:
                     "Warning" if bad else "Normal",
                     state.reason or state.state,
                     _clip(f"Deployment {state.name}: {state.message}"),
+                    deployment=state.name,
                 )
             )
         for patch in self.plan.patches:
@@ -1108,6 +1117,7 @@ class _Planner:
                         "Warning" if patch.kept else "Normal",
                         reasons.RESTORED,
                         _clip(target.restore_message(patch.name, patch.kept)),
+                        deployment=patch.name,
                     )
                 )
 

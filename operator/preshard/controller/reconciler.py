@@ -352,9 +352,10 @@ class Reconciler:
         for patch in decided.patches:
             retry = self._patch(namespace, patch, logger)
             if retry is not None:
-                # Not sent or refused: no event for it, and a look again later.
+                # Not sent or refused: none of the events that announce it, and a look again
+                # later.
                 requeue = retry if requeue is None else min(requeue, retry)
-                decided.events = [e for e in decided.events if patch.name not in e.message]
+                decided.events = [e for e in decided.events if e.deployment != patch.name]
         return requeue
 
     def _patch(self, namespace: str, patch: DeploymentPatch, logger: ObjectLog) -> float | None:
