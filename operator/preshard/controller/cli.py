@@ -106,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
                 clusterwide=not namespaces,
                 namespaces=namespaces,
                 liveness_endpoint=args.liveness or None,
-                memo=kopf.Memo(settings=settings, metrics=recorder),
+                memo=kopf.Memo(settings=settings, metrics=recorder, namespaces=namespaces),
             )
         )
     finally:

@@ -14,11 +14,12 @@ import contextlib
 import copy
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Final
 
+import aiohttp
 import kopf
 
 from preshard.api import models
@@ -51,6 +52,14 @@ JOB_NAME_LABELS: Final = ("batch.kubernetes.io/job-name", "job-name")
 # The Jobs whose progress is read from their pod's log: the long ones.
 PROGRESS_COMMANDS: Final = frozenset({jobs.SERIALIZE, jobs.RESHARD})
 OWNED: Final = {LABEL_MANAGED_BY: MANAGED_BY}
+# What kopf watches: one stream each, per namespace when the operator is namespaced.
+JOBS: Final = ("batch", "v1", "jobs")
+PODS: Final = ("", "v1", "pods")
+DEPLOYMENTS: Final = ("apps", "v1", "deployments")
+SHARDEDMODELS: Final = (models.GROUP, models.VERSION, models.PLURAL)
+WATCHED: Final = (JOBS, PODS, DEPLOYMENTS, SHARDEDMODELS)
+# Requests kopf may have in flight at once besides its watch streams.
+API_REQUESTS: Final = 32
 
 Key = tuple[str, str]
 
@@ -208,6 +217,48 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     )
 
 
+def api_connection_limit(namespaces: Sequence[str]) -> int:
+    """How many connections to the API server kopf's session may hold: one per watch stream and
+    `API_REQUESTS` more; 0 (no bound) where a namespace pattern leaves the number of streams
+    open."""
+    if any(set(namespace) & set("*?[]!") for namespace in namespaces):
+        return 0
+    return len(WATCHED) * max(1, len(namespaces)) + API_REQUESTS
+
+
+@kopf.on.login()
+async def login(
+    memo: kopf.Memo, logger: kopf.Logger, settings: kopf.OperatorSettings, **_: Any
+) -> kopf.AiohttpSession | None:
+    """The kubeconfig's or the ServiceAccount's credentials, in a session with bounded
+    connections.
+
+    kopf's own session opens as many connections as there are requests in flight. When a
+    thousand ShardedModels arrive in a few seconds, kopf adds each one's finalizer at once: a
+    thousand TLS connections to the API server, about a quarter of a MiB of buffers each, that
+    the process kept after they closed. Bounded, the requests wait their turn on a few
+    connections that stay open.
+    """
+    info = kopf.login_via_client(logger=logger, settings=settings)
+    if info is None:
+        return None
+    limit = api_connection_limit(memo.get("namespaces") or ())
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, ssl=info.as_ssl_context()),
+        headers=info.as_http_headers(),
+        auth=info.as_aiohttp_basic_auth(),
+        proxy=info.proxy_url,
+        trust_env=info.trust_env,
+    )
+    return kopf.AiohttpSession(
+        server=info.server,
+        default_namespace=info.default_namespace,
+        expiration=info.expiration,
+        priority=info.priority,
+        aiohttp_session=session,
+    )
+
+
 @kopf.on.cleanup()
 def close(memo: kopf.Memo, **_: Any) -> None:
     """Close the API client's connection pool."""
@@ -221,7 +272,7 @@ def close(memo: kopf.Memo, **_: Any) -> None:
 # fall behind the writes under load.
 
 
-@kopf.index("batch", "v1", "jobs", labels=OWNED)
+@kopf.index(*JOBS, labels=OWNED)
 async def job_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: Any) -> Any:
     """Jobs of each ShardedModel: `(namespace, name) -> JobView` (without pods)."""
     owner = labels.get(LABEL_SHARDEDMODEL)
@@ -230,7 +281,7 @@ async def job_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels,
     return {(namespace, owner): job_view(dict(body), [])}
 
 
-@kopf.index("", "v1", "pods", labels=OWNED)
+@kopf.index(*PODS, labels=OWNED)
 async def pod_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels, **_: Any) -> Any:
     """Pods of each Job: `(namespace, job name) -> PodView`."""
     job_name = next((labels[k] for k in JOB_NAME_LABELS if k in labels), None)
@@ -241,7 +292,7 @@ async def pod_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels,
 
 # kopf watches all pods (a handler's label filter is applied to the stream, not sent to the API
 # server), so this index costs no request of its own: it keeps the few pods of patched templates.
-@kopf.index("", "v1", "pods")
+@kopf.index(*PODS)
 async def target_pod_index(namespace: str | None, body: kopf.Body, **_: Any) -> Any:
     """Pods of patched Deployments: `(namespace, Deployment name) -> TargetPodView`."""
     view = target_pod_view(dict(body))
@@ -250,13 +301,13 @@ async def target_pod_index(namespace: str | None, body: kopf.Body, **_: Any) -> 
     return {(namespace, view.deployment): view}
 
 
-@kopf.index("apps", "v1", "deployments")
+@kopf.index(*DEPLOYMENTS)
 async def deployment_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> Any:
     """Deployments by namespace: `namespace -> (name, manifest)`."""
     return {namespace or "": (name, copy.deepcopy(trim(body)))}
 
 
-@kopf.index(models.GROUP, models.VERSION, models.PLURAL)
+@kopf.index(*SHARDEDMODELS)
 async def shard_set_index(namespace: str | None, name: str, status: kopf.Status, **_: Any) -> Any:
     """Shard sets in use: `set URI -> (namespace, name)` of each ShardedModel that lists it.
 
@@ -269,8 +320,8 @@ async def shard_set_index(namespace: str | None, name: str, status: kopf.Status,
     }
 
 
-@kopf.on.event("batch", "v1", "jobs", labels=OWNED)
-@kopf.on.event("", "v1", "pods", labels=OWNED)
+@kopf.on.event(*JOBS, labels=OWNED)
+@kopf.on.event(*PODS, labels=OWNED)
 def owned_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     """A Job or pod of ours changed: wake its ShardedModel."""
     owner = labels.get(LABEL_SHARDEDMODEL)
@@ -278,7 +329,7 @@ def owned_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, *
         memo.wakeups.wake((namespace, owner))
 
 
-@kopf.on.event("apps", "v1", "deployments")
+@kopf.on.event(*DEPLOYMENTS)
 def deployment_changed(
     namespace: str | None, name: str, body: kopf.Body, type: str, memo: kopf.Memo, **_: Any
 ) -> None:
@@ -294,7 +345,7 @@ def _failing_patched_pod(body: kopf.Body, **_: Any) -> bool:
     return view is not None and bool(view.problems)
 
 
-@kopf.on.event("", "v1", "pods", when=_failing_patched_pod)
+@kopf.on.event(*PODS, when=_failing_patched_pod)
 def target_pod_failing(namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A pod of a patched Deployment crashes or cannot start: wake the ShardedModel."""
     view = target_pod_view(dict(body))
@@ -302,13 +353,13 @@ def target_pod_failing(namespace: str | None, body: kopf.Body, memo: kopf.Memo, 
         memo.wakeups.wake_for_pod(namespace, view.deployment)
 
 
-@kopf.on.event(models.GROUP, models.VERSION, models.PLURAL)
+@kopf.on.event(*SHARDEDMODELS)
 def resource_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """A ShardedModel changed (spec, annotations or our own status write): reconcile it."""
     memo.wakeups.wake((namespace or "", name))
 
 
-@kopf.daemon(models.GROUP, models.VERSION, models.PLURAL, cancellation_timeout=1.0)
+@kopf.daemon(*SHARDEDMODELS, cancellation_timeout=1.0)
 async def reconcile(
     stopped: kopf.DaemonStopped,
     namespace: str | None,
@@ -378,7 +429,7 @@ def _progress(
     return steps
 
 
-@kopf.on.delete(models.GROUP, models.VERSION, models.PLURAL)
+@kopf.on.delete(*SHARDEDMODELS)
 def cleanup(
     namespace: str | None,
     name: str,
