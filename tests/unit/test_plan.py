@@ -274,6 +274,11 @@ def test_a_new_resource_probes_before_it_serializes() -> None:
     assert world.only_set().stage == "Probing"
     assert world.condition(conditions.READY) == ("False", reasons.PROBING)
     assert result.patches == []
+    # Every new set probes first: no event for that; what the probe finds is the news.
+    assert result.events == []
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    result = world.step()
+    assert [(e.type, e.reason) for e in result.events] == [("Normal", reasons.SERIALIZING)]
 
 
 def test_an_existing_set_is_reused_without_a_gpu() -> None:

@@ -118,6 +118,10 @@ def announce(
         if old is not None and old.stage == entry.stage == "Verified" and not entry.failures:
             # A periodic check that starts or passes is no news.
             continue
+        if old is None and entry.stage == "Probing":
+            # Every new set is probed first, and the status says so: what the probe finds is
+            # the news.
+            continue
         failed = entry.stage == "Failed" or entry.failures > 0
         text = f"TP {entry.tensor_parallel_size} shard set {entry.artifact_key}: {entry.stage}"
         detail = entry.message
