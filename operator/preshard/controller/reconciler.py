@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Final
@@ -20,7 +20,7 @@ from preshard.api import models
 from preshard.api.models import InvalidSpecError, ShardedModelSpec, parse_spec
 from preshard.api.status import ShardedModelStatus, ShardSetStatus
 from preshard.builders import jobs, target
-from preshard.builders.common import LABEL_COMMAND, Manifest, Owner, ShardSet, child_name
+from preshard.builders.common import LABEL_COMMAND, Manifest, Owner
 from preshard.contract import reasons
 from preshard.contract.outcome import Outcome
 from preshard.controller import conditions, kube, metrics
@@ -34,9 +34,9 @@ from preshard.controller.plan import (
     plan,
     plan_invalid,
 )
+from preshard.controller.plan.deletion import plan_deletion
 from preshard.settings import Settings
 
-ANNOTATION_SKIP_CLEANUP: Final = "preshard.dev/skip-cleanup"
 NOT_FOUND_RETRY_SECONDS: Final = 1.0
 # How long a write of this operator (a Job created, a Deployment patched) is remembered while
 # the watch stream that will show it catches up.
@@ -212,70 +212,46 @@ class Reconciler:
     ) -> list[Event]:
         metadata = body.get("metadata") or {}
         namespace, name = str(metadata["namespace"]), str(metadata["name"])
-        if (metadata.get("annotations") or {}).get(ANNOTATION_SKIP_CLEANUP) == "true":
-            return [
-                Event(
-                    "Warning",
-                    reasons.CLEANUP_FAILED,
-                    f"cleanup skipped ({ANNOTATION_SKIP_CLEANUP}=true): Deployments stay patched "
-                    "and shard sets stay in storage",
-                )
-            ]
-        events = self._restore_targets(namespace, name, deployments)
-        status = ShardedModelStatus.model_validate(body.get("status") or {})
-        for entry in status.shard_sets:
-            running = job_views.get(entry.job) if entry.job else None
-            if running is not None and not running.finished:
-                self.kube.delete_job(namespace, running.name)
-        self._written.pop((namespace, name), None)
         try:
             spec: ShardedModelSpec | None = parse_spec(body.get("spec"))
         except InvalidSpecError:
             spec = None
-        if spec is None or spec.storage.retention != "Delete":
-            return events
-        owner = Owner(name=name, namespace=namespace, uid=str(metadata.get("uid", "")))
-        waiting: list[str] = []
-        for entry in status.shard_sets:
-            if entry.uri in sets_used_elsewhere:
-                continue
-            shard_set = ShardSet.for_spec(spec, entry.tensor_parallel_size, entry.artifact_key)
-            run = entry.delete_run + 1
-            job_name = child_name(owner, shard_set, jobs.DELETE, run)
-            view = job_views.get(job_name)
-            self._count_deletion_job((namespace, name), view)
-            if view is None:
-                delete_job = jobs.build_delete_job(
-                    jobs.JobInput(
-                        owner=owner, spec=spec, shard_set=shard_set, settings=self.settings, run=run
-                    )
-                )
-                try:
-                    self._create_deletion_job(delete_job)
-                except kube.NamespaceTerminatingError:
-                    events.append(
-                        Event(
-                            "Warning",
-                            reasons.CLEANUP_FAILED,
-                            "namespace is terminating: no Job can delete the shard sets; they "
-                            "stay in storage",
-                        )
-                    )
-                    return events
-                waiting.append(f"{job_name} created")
-            elif not view.finished:
-                waiting.append(f"{job_name} running")
-            elif not view.succeeded:
-                outcome = view.outcome()
-                raise CleanupPendingError(
-                    f"deleting {entry.uri} failed ({outcome.reason}: {outcome.message})"
-                )
-        if waiting:
-            raise CleanupPendingError("waiting for delete Jobs: " + ", ".join(waiting))
-        events.append(
-            Event("Normal", reasons.DELETED, f"{len(status.shard_sets)} shard set(s) deleted")
+        deletion = plan_deletion(
+            Owner(name=name, namespace=namespace, uid=str(metadata.get("uid", ""))),
+            metadata.get("annotations") or {},
+            spec,
+            ShardedModelStatus.model_validate(body.get("status") or {}),
+            deployments,
+            job_views,
+            sets_used_elsewhere,
+            self.settings,
         )
-        return events
+        if deletion.skipped:
+            return deletion.events()
+        events = self._restore_targets(namespace, deletion.restore)
+        for job_name in deletion.stop_jobs:
+            self.kube.delete_job(namespace, job_name)
+        self._written.pop((namespace, name), None)
+        for view in deletion.finished:
+            self._count_deletion_job((namespace, name), view)
+        for manifest in deletion.create_jobs:
+            try:
+                self._create_deletion_job(manifest)
+            except kube.NamespaceTerminatingError:
+                return [
+                    *events,
+                    Event(
+                        "Warning",
+                        reasons.CLEANUP_FAILED,
+                        "namespace is terminating: no Job can delete the shard sets; they "
+                        "stay in storage",
+                    ),
+                ]
+        if deletion.failed is not None:
+            raise CleanupPendingError(deletion.failed)
+        if deletion.waiting:
+            raise CleanupPendingError("waiting for delete Jobs: " + ", ".join(deletion.waiting))
+        return [*events, *deletion.events()]
 
     def _create_deletion_job(self, manifest: Manifest) -> None:
         if self.kube.create_job(manifest):
@@ -291,13 +267,9 @@ class Reconciler:
             counted.add(view.name)
             self.metrics.job_finished(view.command, view.outcome())
 
-    def _restore_targets(
-        self, namespace: str, name: str, deployments: Mapping[str, Manifest]
-    ) -> list[Event]:
+    def _restore_targets(self, namespace: str, names: Iterable[str]) -> list[Event]:
         events: list[Event] = []
-        for deployment_name, deployment in sorted(deployments.items()):
-            if target.owner_of(deployment) != name:
-                continue
+        for deployment_name in names:
             try:
                 current = self.kube.get_deployment(namespace, deployment_name)
             except kube.NotFoundError:
