@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import boto3
-from tests.support.s3 import create_bucket
 
-from preshard_devenv.s3server import S3Server, start_s3_server
+from preshard_devenv.s3server import S3Server, create_bucket, start_s3_server
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -62,8 +62,6 @@ import urllib3
 from kubernetes import client as k8s
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
-from tests.support import shardedmodels as shm
-from tests.support.operator import OperatorProcess
 
 from benchmarks import common
 from preshard.api import models
@@ -71,9 +69,10 @@ from preshard.builders import jobs
 from preshard.builders.common import Owner, ShardSet
 from preshard.builders.identity import artifact_key
 from preshard.settings import Settings
-from preshard_devenv import nodes, procs
+from preshard_devenv import nodes, procs, workloads
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.demo import install_crd
+from preshard_devenv.operatorprocess import OperatorProcess
 
 NAME: Final = "controller"
 # kube-apiserver's only per-user metric (`authenticated_user_requests`) names a few well-known
@@ -252,14 +251,18 @@ class AuditLog:
     ) -> float | None:
         """Wait until no request (or write) arrived for `quiet` seconds; returns the time of
         the last one after `since` (or `since` when there was none), None on timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def quiet_since() -> float | None:
             self.poll()
             last = max(self.last(writes_only=writes_only) or since, since)
-            if time.time() - last >= quiet:
-                return last
-            time.sleep(POLL_SECONDS)
-        return None
+            return last if time.time() - last >= quiet else None
+
+        try:
+            return procs.wait_for(
+                quiet_since, timeout=timeout, interval=POLL_SECONDS, what=f"{quiet:.0f}s quiet"
+            )
+        except TimeoutError:
+            return None
 
 
 def count_requests(requests: Iterable[Request]) -> Counter[RequestKey]:
@@ -442,7 +445,7 @@ class Watcher:
     def _on_model(self, resource: dict[str, Any]) -> None:
         now = time.time()
         name = resource["metadata"]["name"]
-        ready = shm.condition(resource, "Ready")
+        ready = workloads.condition(resource, "Ready")
         with self._lock:
             self.seen.changes.append(now)
             if ready is not None:
@@ -470,9 +473,7 @@ def deployment_name(index: int) -> str:
 
 def vllm_container(index: int) -> dict[str, Any]:
     """A vLLM container as people write it: `vllm serve org/model-<i>`."""
-    container = copy.deepcopy(shm.VLLM_CONTAINER)
-    container["args"] = [f"org/model-{index}"]
-    return container
+    return workloads.vllm_container(f"org/model-{index}", port=None)
 
 
 def model_spec(index: int) -> dict[str, Any]:
@@ -557,17 +558,10 @@ def add_kwok_nodes(api: k8s.ApiClient, pods: int) -> list[str]:
                 return False
         return True
 
-    wait_until(all_ready, timeout=60, what="kwok to make the extra nodes Ready")
+    procs.wait_for(
+        all_ready, timeout=60, interval=POLL_SECONDS, what="kwok to make the extra nodes Ready"
+    )
     return names
-
-
-def wait_until(check: Callable[[], bool], *, timeout: float, what: str) -> None:
-    """Poll `check` until it holds; `TimeoutError` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(POLL_SECONDS)
 
 
 # One size -----------------------------------------------------------------------------------
@@ -643,7 +637,7 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
         deployments_s = in_parallel(
             cluster,
             size,
-            lambda api, i: shm.create_deployment(
+            lambda api, i: workloads.create_deployment(
                 api, NAMESPACE, deployment_name(i), container=vllm_container(i), replicas=REPLICAS
             ),
             options.workers,
@@ -701,14 +695,17 @@ def drive(
         apply_s = in_parallel(
             cluster,
             size,
-            lambda api, i: shm.create(api, NAMESPACE, model_name(i), model_spec(i)),
+            lambda api, i: workloads.create_sharded_model(
+                api, NAMESPACE, model_name(i), model_spec(i)
+            ),
             options.workers,
         )
         say(f"N={size}: applied {size} ShardedModels in {apply_s:.1f}s")
         try:
-            wait_until(
+            procs.wait_for(
                 lambda: watcher.count(lambda seen: len(seen.ready_now)) >= size,
                 timeout=options.timeout_seconds,
+                interval=POLL_SECONDS,
                 what="every ShardedModel to be Ready",
             )
             converged = True
@@ -758,9 +755,10 @@ def run_baseline(cluster: LocalCluster, size: int, options: Options, say: Log) -
             options.workers,
         )
         with contextlib.suppress(TimeoutError):
-            wait_until(
+            procs.wait_for(
                 lambda: watcher.count(lambda seen: len(seen.job_done)) >= size,
                 timeout=options.timeout_seconds,
+                interval=POLL_SECONDS,
                 what="every baseline Job to complete",
             )
     finally:

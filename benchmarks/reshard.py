@@ -1,7 +1,7 @@
 """Changing the TP size: `preshard reshard` against a full serialization, time and memory.
 
 A synthetic Llama-shaped model (`--size-gb` of float32, the shapes of `benchmarks.serialize`)
-is written as vLLM lays it out (`tests.support.vllm_layout`) at every TP size the pairs name,
+is written as vLLM lays it out (`preshard_devenv.vllm_layout`) at every TP size the pairs name,
 and stored under an S3 prefix with its config files and manifest, as `preshard serialize`
 stores a set. For each pair N:M of `--pairs`, `--repeats` rounds run, each with:
 
@@ -42,15 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from tests.support.engine import SPEC as CPU_ENGINE
-from tests.support.engine import load_checkpoint
-from tests.support.vllm_layout import write_vllm_set
-
 from benchmarks import common
 from benchmarks.serialize import make_model, plan_model, upload_directory
 from preshard.contract.layout import MANIFEST_NAME
 from preshard.contract.outcome import Outcome
 from preshard.dataplane.manifest import Manifest, ManifestFile
+from preshard_devenv.cpuengine import SPEC as CPU_ENGINE
+from preshard_devenv.cpuengine import load_checkpoint
+from preshard_devenv.vllm_layout import write_vllm_set
 
 NAME: Final = "reshard"
 SCRATCH: Final = common.ROOT / "benchmarks" / "scratch" / NAME

@@ -52,8 +52,6 @@ from typing import TYPE_CHECKING, Any, Final
 
 import boto3
 from botocore.config import Config
-from tests.support.engine import CpuTestEngine, cast, load_checkpoint, rank_slice
-from tests.support.models import TinyModel, make_tiny_model
 
 from benchmarks import common
 from preshard import cli
@@ -61,6 +59,8 @@ from preshard.contract.layout import RANK_FILE_TEMPLATE
 from preshard.contract.outcome import Outcome
 from preshard.dataplane import s3
 from preshard.dataplane.engine import ENGINE_ENV, EngineRequest
+from preshard_devenv.cpuengine import CpuTestEngine, cast, load_checkpoint, rank_slice
+from preshard_devenv.tinymodel import TinyModel, make_tiny_model
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -22,8 +22,7 @@ from preshard_devenv import binaries, engine
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.podrunner import PodRunner
 from preshard_devenv.procs import DevEnvError
-from preshard_devenv.s3server import S3Server, start_s3_server
-from tests.support.s3 import S3Bucket, create_bucket
+from preshard_devenv.s3server import S3Bucket, S3Server, create_bucket, start_s3_server
 
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,9 +118,9 @@ def pod_runner(
 ) -> Iterator[PodRunner]:
     """The kubelet of node `preshard-runner`: runs the pods bound there as local processes.
 
-    Containers get `PYTHONPATH` set to the project root (so `tests.support` modules import)
-    and the tools image's tensorizer bundle; tests add what else their containers need to
-    `pod_runner.extra_env`, and the images they run to `pod_runner.images`.
+    Containers get `PYTHONPATH` set to the project root (so test modules such as
+    `tests.e2e.engine` import) and the tools image's tensorizer bundle; tests add what else their
+    containers need to `pod_runner.extra_env`, and the images they run to `pod_runner.images`.
     """
     runner = PodRunner(
         cluster.admin_kubeconfig,

@@ -13,7 +13,6 @@ import os
 import shlex
 import shutil
 import signal
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,8 +20,8 @@ from typing import Final
 
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.pki import write_private
-from preshard_devenv.procs import DevEnvError
-from preshard_devenv.s3server import S3Server, start_s3_server
+from preshard_devenv.procs import DevEnvError, wait_for
+from preshard_devenv.s3server import S3Server, admin_client, make_bucket, start_s3_server
 
 Log = Callable[[str], None]
 
@@ -109,7 +108,7 @@ def up(state_dir: Path, *, log: Log) -> tuple[State, bool]:
         log("starting the S3 server")
         s3 = start_s3_server(state_dir / "s3")
         try:
-            _create_bucket(s3, BUCKET)
+            make_bucket(admin_client(s3), BUCKET, exist_ok=True)
             env_file = _write_env(state_dir / ENV_FILE, cluster, s3)
         except BaseException:
             s3.stop()
@@ -168,13 +167,11 @@ def _terminate(process: RecordedProcess) -> None:
     # Each process leads its own process group (it was started in a new session).
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + process.stop_timeout
-    while time.monotonic() < deadline:
-        if not process.alive():
-            return
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    try:
+        wait_for(lambda: not process.alive(), timeout=process.stop_timeout, what=process.name)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def _write_env(path: Path, cluster: LocalCluster, s3: S3Server) -> Path:
@@ -183,28 +180,3 @@ def _write_env(path: Path, cluster: LocalCluster, s3: S3Server) -> Path:
     text = "".join(f"{name}={shlex.quote(value)}\n" for name, value in values.items())
     write_private(path, text.encode())
     return path
-
-
-def _create_bucket(server: S3Server, name: str) -> None:
-    import boto3  # noqa: PLC0415 - a data-plane dependency, needed only here
-    import botocore.exceptions  # noqa: PLC0415
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=server.endpoint,
-        region_name=server.region,
-        aws_access_key_id=server.credentials.access_key_id,
-        aws_secret_access_key=server.credentials.secret_access_key,
-    )
-    # The gateway answers before its filer can store buckets; retry for a while.
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.create_bucket(Bucket=name)
-            return
-        except client.exceptions.BucketAlreadyOwnedByYou:
-            return
-        except (botocore.exceptions.ClientError, botocore.exceptions.EndpointConnectionError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import yaml
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
+from preshard_devenv import workloads
 from preshard_devenv.background import State
 from preshard_devenv.kubeconfig import api_client
 from preshard_devenv.procs import DevEnvError, wait_until
@@ -67,41 +68,18 @@ def install_crd(api: k8s.ApiClient, *, timeout: float = 30.0) -> None:
 
 def write_example(state_dir: Path, state: State) -> Path:
     """A ShardedModel and a vLLM Deployment that fit the local environment, ready to apply."""
-    documents: list[dict[str, Any]] = [
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "vllm", "namespace": "default"},
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": {"app": "vllm"}},
-                "template": {
-                    "metadata": {"labels": {"app": "vllm"}},
-                    "spec": {
-                        "containers": [
-                            {
-                                "name": "vllm",
-                                "image": "vllm/vllm-openai:v0.34.0",
-                                "command": ["vllm", "serve"],
-                                "args": ["Qwen/Qwen2.5-7B-Instruct", "--port", "8000"],
-                                "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                            }
-                        ]
-                    },
-                },
-            },
-        },
-        {
-            "apiVersion": f"{models.GROUP}/{models.VERSION}",
-            "kind": models.KIND,
-            "metadata": {"name": "qwen", "namespace": "default"},
-            "spec": {
-                "model": {"id": "Qwen/Qwen2.5-7B-Instruct"},
-                "storage": {"uri": f"s3://{state.bucket}/shards", "endpoint": state.s3_endpoint},
-                "tensorParallelSizes": [2],
-                "targets": [{"name": "vllm"}],
-            },
-        },
+    model = "Qwen/Qwen2.5-7B-Instruct"
+    spec = {
+        "model": {"id": model},
+        "storage": {"uri": f"s3://{state.bucket}/shards", "endpoint": state.s3_endpoint},
+        "tensorParallelSizes": [2],
+        "targets": [{"name": "vllm"}],
+    }
+    documents = [
+        workloads.vllm_deployment(
+            "vllm", namespace="default", container=workloads.vllm_container(model)
+        ),
+        workloads.sharded_model("qwen", spec, namespace="default"),
     ]
     path = state_dir / "example.yaml"
     path.write_text(yaml.safe_dump_all(documents, sort_keys=False))

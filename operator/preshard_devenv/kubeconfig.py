@@ -1,4 +1,5 @@
-"""Self-contained kubeconfig files (certificates embedded) for the local cluster's users."""
+"""Self-contained kubeconfig files (certificates embedded) for the local cluster's users, and
+API clients that act as them."""
 
 from __future__ import annotations
 
@@ -62,6 +63,15 @@ def api_client(path: Path) -> k8s.ApiClient:
         config_file=str(path), client_configuration=configuration
     )
     return k8s.ApiClient(configuration=configuration)
+
+
+def plain(api: k8s.ApiClient, obj: object) -> dict[str, Any]:
+    """An API object (a client model or a custom object) as the plain dict the API server sends."""
+    # The client's serializer has no type annotations; for any model or mapping it returns a dict.
+    found = api.sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
+    if not isinstance(found, dict):
+        raise TypeError(f"{type(obj).__name__} does not serialize to an object")
+    return found
 
 
 def write(path: Path, config: dict[str, Any]) -> Path:

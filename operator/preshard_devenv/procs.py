@@ -1,4 +1,5 @@
-"""Start, watch and stop the local processes of the test environment."""
+"""Start, watch and stop the local processes of the test environment, and wait for what they
+do: `wait_for` is the one polling loop of the tooling, the tests and the benchmarks."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class DevEnvError(RuntimeError):
@@ -108,6 +112,29 @@ def start(
     return Process(name=name, popen=popen, log_path=log_path, stop_timeout=stop_timeout)
 
 
+def wait_for(
+    check: Callable[[], T | None],
+    *,
+    timeout: float = 60.0,
+    interval: float = 0.2,
+    what: str = "the condition",
+) -> T:
+    """Poll `check` until it returns something truthy, and return that; `TimeoutError` after
+    `timeout` seconds.
+
+    The default limit is generous on purpose: on a busy machine (two cores, another test suite
+    beside this one) the control plane takes its time, and a wait that holds returns at once.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
 def wait_until(
     check: Callable[[], bool],
     *,
@@ -116,19 +143,21 @@ def wait_until(
     process: Process | None = None,
     interval: float = 0.2,
 ) -> None:
-    """Poll `check` until it is true; fail with the process's log if it dies or times out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """`wait_for` a process of the environment: fail with its log if it dies or times out."""
+
+    def alive_and() -> bool:
         if process is not None and not process.alive():
             raise DevEnvError(
                 f"{process.name} exited with code {process.popen.returncode} while waiting "
                 f"for {what}; the end of {process.log_path}:\n{process.log_tail()}"
             )
-        if check():
-            return
-        time.sleep(interval)
-    tail = f"; the end of {process.log_path}:\n{process.log_tail()}" if process else ""
-    raise DevEnvError(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
+        return check()
+
+    try:
+        wait_for(alive_and, timeout=timeout, interval=interval, what=what)
+    except TimeoutError as error:
+        tail = f"; the end of {process.log_path}:\n{process.log_tail()}" if process else ""
+        raise DevEnvError(f"{error}{tail}") from None
 
 
 def http_ok(url: str, *, context: ssl.SSLContext | None = None) -> bool:

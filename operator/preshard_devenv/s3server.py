@@ -2,7 +2,8 @@
 
 SeaweedFS checks request signatures when identities are configured, so a wrong secret fails
 the way it would against AWS. Each server gets its own data directory, free ports and one
-random key pair; the secret is never printed.
+random key pair; the secret is never printed. `create_bucket` makes a bucket on it with an
+admin client (boto3, a data-plane dependency, is imported only there).
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from preshard_devenv import procs
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
 
 _LAUNCH_ATTEMPTS = 3
 _BIND_FAILURE = "address already in use"
@@ -183,3 +188,72 @@ def _wait_ready(endpoint: str, process: procs.Process) -> None:
         what=f"the S3 server at {endpoint}",
         process=process,
     )
+
+
+@dataclass(frozen=True)
+class S3Bucket:
+    """A bucket on a test S3 server, with an admin client for assertions."""
+
+    name: str
+    server: S3Server
+    client: S3Client
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every object key under `prefix`, sorted."""
+        found: list[str] = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.name, Prefix=prefix
+        ):
+            found.extend(obj["Key"] for obj in page.get("Contents", []))
+        return sorted(found)
+
+
+def admin_client(server: S3Server, **options: Any) -> S3Client:
+    """A boto3 client with the server's own credentials (`options`: boto3's, such as another
+    `endpoint_url` or `verify`)."""
+    import boto3  # noqa: PLC0415 - a data-plane dependency, needed only here
+
+    settings: dict[str, Any] = {
+        "endpoint_url": server.endpoint,
+        "region_name": server.region,
+        "aws_access_key_id": server.credentials.access_key_id,
+        "aws_secret_access_key": server.credentials.secret_access_key,
+        **options,
+    }
+    client: S3Client = boto3.client("s3", **settings)
+    return client
+
+
+def make_bucket(client: S3Client, name: str, *, exist_ok: bool = False) -> None:
+    """Create a bucket, retrying for a while: the gateway answers before its filer can store
+    buckets. With `exist_ok`, a bucket this client already owns counts as made."""
+    import botocore.exceptions  # noqa: PLC0415 - a data-plane dependency, needed only here
+
+    failures: list[Exception] = []
+
+    def made() -> bool:
+        try:
+            client.create_bucket(Bucket=name)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            if exist_ok:
+                return True
+            raise
+        except (
+            botocore.exceptions.ClientError,
+            botocore.exceptions.EndpointConnectionError,
+        ) as error:
+            failures[:] = [error]
+            return False
+        return True
+
+    try:
+        procs.wait_for(made, timeout=30, interval=0.5, what=f"the S3 server to create {name}")
+    except TimeoutError:
+        raise failures[-1] from None
+
+
+def create_bucket(server: S3Server, name: str) -> S3Bucket:
+    """A new bucket on `server`, with an admin client."""
+    client = admin_client(server)
+    make_bucket(client, name)
+    return S3Bucket(name=name, server=server, client=client)

@@ -3,13 +3,18 @@
 No download: config, a word-level tokenizer (`t3`, `t4`, ... so any token id decodes to a
 word), generation config and safetensors weights of a few MB. Every dimension tensor
 parallelism cuts is divisible by 4 at the defaults. vLLM's CPU build serves it.
+`make_tiny_model` writes one and says where (`TinyModel`), for the tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG_FILES: Final = (
     "config.json",
@@ -161,6 +166,31 @@ def write_tiny_llama(
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 512},
     )
     return weight_files
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A model directory written by `make_tiny_model`."""
+
+    path: Path
+    weight_files: tuple[str, ...]
+    config_files: tuple[str, ...]
+
+    @property
+    def weight_bytes(self) -> int:
+        """The size of the safetensors files."""
+        return sum((self.path / name).stat().st_size for name in self.weight_files)
+
+    def tensors(self, dtype: str = "auto") -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors, cast as an engine serving `dtype` would cast them."""
+        from preshard_devenv.cpuengine import cast, load_checkpoint  # noqa: PLC0415 - torch
+
+        return {name: cast(t, dtype) for name, t in load_checkpoint(self.path).items()}
+
+
+def make_tiny_model(directory: Path, **shape: Any) -> TinyModel:
+    """Write a deterministic Llama-shaped model into `directory` (see `write_tiny_llama`)."""
+    return TinyModel(directory, write_tiny_llama(directory, **shape), CONFIG_FILES)
 
 
 def _write_json(path: Path, value: object) -> None:

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 from benchmarks import load, serialize
 
-from preshard_devenv.s3server import S3Server
-from tests.support.s3 import S3Bucket
+from preshard_devenv.s3server import S3Bucket, S3Server
 
 ROOT = Path(__file__).resolve().parents[2]
 

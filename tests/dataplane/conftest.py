@@ -12,10 +12,10 @@ import pytest
 
 from preshard import cli
 from preshard.contract.outcome import Outcome
-from preshard_devenv.s3server import S3Server
-from tests.support import engine
-from tests.support.models import TinyModel, make_tiny_model, upload_model
-from tests.support.s3 import S3Bucket
+from preshard_devenv import cpuengine
+from preshard_devenv.s3server import S3Bucket, S3Server
+from preshard_devenv.tinymodel import TinyModel, make_tiny_model
+from tests.support.models import upload_model
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def model_uri(tiny_model: TinyModel, s3_bucket: S3Bucket) -> str:
 def dataplane_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Credentials, endpoint and the CPU engine in this process's environment."""
     env = s3_server.env() | {
-        "PRESHARD_ENGINE": engine.SPEC,
+        "PRESHARD_ENGINE": cpuengine.SPEC,
         "PRESHARD_PROGRESS_INTERVAL": "0.5",
     }
     for name, value in env.items():
@@ -127,7 +127,7 @@ def stored_set(
     scratch = tmp_path_factory.mktemp("shared-scratch")
     log = scratch / "termination-log"
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in (s3_server.env() | {"PRESHARD_ENGINE": engine.SPEC}).items():
+        for name, value in (s3_server.env() | {"PRESHARD_ENGINE": cpuengine.SPEC}).items():
             patch.setenv(name, value)
         code = cli.main(
             [

@@ -13,10 +13,8 @@ import pytest
 
 from preshard.contract import reasons
 from preshard.contract.outcome import Outcome
-from preshard_devenv import procs
-from preshard_devenv.s3server import S3Server
-from tests.support import engine
-from tests.support.s3 import S3Bucket
+from preshard_devenv import cpuengine, procs
+from preshard_devenv.s3server import S3Bucket, S3Server
 
 pytestmark = pytest.mark.s3
 
@@ -56,7 +54,7 @@ def script_env(s3_server: S3Server) -> dict[str, str]:
     return (
         dict(os.environ)
         | s3_server.env()
-        | {"PRESHARD_ENGINE": engine.SPEC, "PYTHONPATH": str(REPO_ROOT)}
+        | {"PRESHARD_ENGINE": cpuengine.SPEC, "PYTHONPATH": str(REPO_ROOT)}
     )
 
 

@@ -9,9 +9,10 @@ import pytest
 from tensorizer.serialization import CryptographyError
 
 from preshard.contract import reasons
+from preshard_devenv.s3server import S3Bucket
+from preshard_devenv.tinymodel import TinyModel
 from tests.dataplane.conftest import Cli, read_manifest, serialize_args
-from tests.support.models import TinyModel, assert_shards_match, download_prefix, load_rank_files
-from tests.support.s3 import S3Bucket
+from tests.support.models import assert_shards_match, download_prefix, load_rank_files
 
 pytestmark = pytest.mark.s3
 

@@ -11,8 +11,8 @@ import pytest
 from preshard.contract import reasons
 from preshard.contract.outcome import exit_code
 from preshard_devenv import procs
+from preshard_devenv.s3server import S3Bucket
 from tests.dataplane.conftest import Cli, copy_set, serialize_args
-from tests.support.s3 import S3Bucket
 
 pytestmark = pytest.mark.s3
 

@@ -25,11 +25,11 @@ from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
 from preshard.contract.layout import S3Location, tensorizer_uri
 from preshard.contract.outcome import Outcome
 from preshard_devenv import engine, procs
-from preshard_devenv.s3server import S3Server
+from preshard_devenv.s3server import S3Bucket, S3Server
+from preshard_devenv.tinymodel import TinyModel, make_tiny_model
 from preshard_devenv.vllm_cpu import preshard_vllm_cpu_shims as shims
 from tests.support.commands import pod_env, run_preshard
-from tests.support.models import TinyModel, make_tiny_model, upload_model
-from tests.support.s3 import S3Bucket
+from tests.support.models import upload_model
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.engine]
 

@@ -26,16 +26,10 @@ import torch
 from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
 from preshard.contract.layout import tensorizer_uri
 from preshard_devenv import engine, procs
-from preshard_devenv.s3server import S3Server
+from preshard_devenv.s3server import S3Bucket, S3Server
+from preshard_devenv.tinymodel import TinyModel, make_tiny_model
 from tests.support.commands import pod_env, run_preshard
-from tests.support.models import (
-    StoredSet,
-    TinyModel,
-    load_rank_files,
-    make_tiny_model,
-    upload_model,
-)
-from tests.support.s3 import S3Bucket
+from tests.support.models import StoredSet, load_rank_files, upload_model
 from tests.support.vllm_sets import OMP_BIND, reshard_set, serialize_with_vllm
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(1800)]

@@ -1,6 +1,6 @@
 """`preshard reshard` against real S3: a stored TP N set in vLLM's layout, the TP M set out.
 
-The source sets are written as vLLM's (`tests.support.vllm_layout`) with their manifest, the
+The source sets are written as vLLM's (`preshard_devenv.vllm_layout`) with their manifest, the
 way `serialize` stores them; `test_reshard.py` (engine tier) starts from sets vLLM wrote.
 """
 
@@ -22,11 +22,12 @@ from preshard.contract.layout import MANIFEST_NAME
 from preshard.contract.outcome import exit_code
 from preshard.dataplane.manifest import Manifest, ManifestFile
 from preshard.dataplane.upload import FileKind
+from preshard_devenv.cpuengine import load_checkpoint
+from preshard_devenv.s3server import S3Bucket
+from preshard_devenv.tinymodel import TinyModel, make_tiny_model
+from preshard_devenv.vllm_layout import Entry, rank_entries, write_rank_file, write_vllm_set
 from tests.dataplane.conftest import Cli, read_manifest
-from tests.support.engine import load_checkpoint
-from tests.support.models import TinyModel, download_prefix, load_rank_files, make_tiny_model
-from tests.support.s3 import S3Bucket
-from tests.support.vllm_layout import Entry, rank_entries, write_rank_file, write_vllm_set
+from tests.support.models import download_prefix, load_rank_files
 
 pytestmark = pytest.mark.s3
 

@@ -1,6 +1,6 @@
 """Rank files in, rank files out: `reshard_rank_files` on sets laid out as vLLM's, no S3.
 
-The sets come from `tests.support.vllm_layout` (vLLM's loaders restated); a resharded set must
+The sets come from `preshard_devenv.vllm_layout` (vLLM's loaders restated); a resharded set must
 be byte for byte the file that layout gives at the target TP size, and anything that does not
 look like vLLM's layout must be refused before or while writing, leaving no target file. The
 engine tier (`test_reshard.py`) compares with vLLM's own files.
@@ -21,14 +21,10 @@ from tensorizer import CryptographyError
 
 from preshard.dataplane.reshard_tensors import reshard_rank_files, tensor_names
 from preshard.dataplane.tp_layout import UnsupportedLayoutError, model_shape
-from tests.support.engine import load_checkpoint
-from tests.support.models import TinyModel, load_rank_files, make_tiny_model
-from tests.support.vllm_layout import (
-    Entry,
-    rank_entries,
-    write_rank_file,
-    write_vllm_set,
-)
+from preshard_devenv.cpuengine import load_checkpoint
+from preshard_devenv.tinymodel import TinyModel, make_tiny_model
+from preshard_devenv.vllm_layout import Entry, rank_entries, write_rank_file, write_vllm_set
+from tests.support.models import load_rank_files
 
 SHAPE = {"layers": 2, "heads": 4, "kv_heads": 2, "vocab": 500}
 

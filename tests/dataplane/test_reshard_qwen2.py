@@ -17,15 +17,9 @@ from pathlib import Path
 import pytest
 
 from preshard_devenv import engine
-from preshard_devenv.s3server import S3Server
-from tests.support.models import (
-    StoredSet,
-    TinyModel,
-    load_rank_files,
-    make_tiny_model,
-    upload_model,
-)
-from tests.support.s3 import S3Bucket
+from preshard_devenv.s3server import S3Bucket, S3Server
+from preshard_devenv.tinymodel import TinyModel, make_tiny_model
+from tests.support.models import StoredSet, load_rank_files, upload_model
 from tests.support.vllm_sets import reshard_set, serialize_with_vllm
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(1800)]

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from preshard.contract import reasons
-from preshard_devenv.s3server import S3Server
+from preshard_devenv import cpuengine
+from preshard_devenv.s3server import S3Bucket, S3Server
+from preshard_devenv.tinymodel import TinyModel
 from tests.dataplane.conftest import Cli, read_manifest, serialize_args
-from tests.support import engine
-from tests.support.models import TinyModel, assert_shards_match, download_prefix
-from tests.support.s3 import S3Bucket
+from tests.support.models import assert_shards_match, download_prefix
 
 pytestmark = pytest.mark.s3
 
@@ -39,7 +39,7 @@ def test_round_trip(
     assert made.code == 0, made.stderr
     assert made.outcome.reason == reasons.SERIALIZED
     assert made.outcome.tensor_parallel_size == tp
-    assert made.outcome.vllm_version == engine.VLLM_VERSION
+    assert made.outcome.vllm_version == cpuengine.VLLM_VERSION
     assert made.outcome.encrypted is False
     assert "upload:" in made.stderr
     assert s3_server.credentials.secret_access_key not in made.stdout + made.stderr

@@ -9,7 +9,7 @@ import pytest
 
 from preshard.dataplane.s3 import make_client
 from preshard.dataplane.upload import crc32_header
-from tests.support.s3 import S3Bucket
+from preshard_devenv.s3server import S3Bucket
 
 pytestmark = pytest.mark.s3
 

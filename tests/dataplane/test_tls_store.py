@@ -22,12 +22,12 @@ import pytest
 from preshard.contract import reasons
 from preshard.contract.outcome import exit_code
 from preshard.dataplane.s3 import AddressingStyle, make_client
-from preshard_devenv import pki
+from preshard_devenv import cpuengine, pki
+from preshard_devenv.s3server import S3Bucket
+from preshard_devenv.tinymodel import TinyModel
 from tests.dataplane.conftest import Cli, serialize_args
 from tests.dataplane.tls_store import TlsStore, tls_s3_server
-from tests.support import engine
-from tests.support.models import TinyModel, upload_model
-from tests.support.s3 import S3Bucket
+from tests.support.models import upload_model
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
@@ -66,7 +66,7 @@ def tls_env(store: TlsStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("PRESHARD_ENGINE", engine.SPEC)
+    monkeypatch.setenv("PRESHARD_ENGINE", cpuengine.SPEC)
     for name, value in store.env().items():
         monkeypatch.setenv(name, value)
 
@@ -88,7 +88,7 @@ def tls_set(
     args = serialize_args(source, bucket, "sets", KEY, scratch / "s", tp=2)
     log = scratch / "termination-log"
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in (store.env() | {"PRESHARD_ENGINE": engine.SPEC}).items():
+        for name, value in (store.env() | {"PRESHARD_ENGINE": cpuengine.SPEC}).items():
             patch.setenv(name, value)
         from preshard import cli  # noqa: PLC0415 - the in-process entrypoint
 

@@ -27,7 +27,7 @@ from preshard.dataplane.source import select_files
 from preshard.dataplane.upload import MAX_PARTS, MIB, crc32_header, part_size_for
 from preshard.dataplane.vllm_engine import build_engine_kwargs, build_tensorizer_kwargs
 from preshard.dataplane.vllm_worker import EXTENSION_QUALNAME
-from tests.support import engine
+from preshard_devenv import cpuengine
 
 
 def _no_index(name: str) -> bytes:
@@ -217,13 +217,13 @@ def test_tensorizer_kwargs(tmp_path: Path) -> None:
 
 
 def test_load_engine_by_spec(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PRESHARD_ENGINE", engine.SPEC)
+    monkeypatch.setenv("PRESHARD_ENGINE", cpuengine.SPEC)
 
-    assert isinstance(load_engine(), engine.CpuTestEngine)
+    assert isinstance(load_engine(), cpuengine.CpuTestEngine)
     with pytest.raises(DataplaneError):
-        load_engine("tests.support.engine")
+        load_engine("preshard_devenv.cpuengine")
     with pytest.raises(DataplaneError):
-        load_engine("tests.support.engine:NoSuchEngine")
+        load_engine("preshard_devenv.cpuengine:NoSuchEngine")
 
 
 def test_scratch_limit_counts_what_is_there(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ This module has its own S3 server, so stopping it does not disturb the other tes
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,10 +14,11 @@ import pytest
 from preshard import cli
 from preshard.contract import reasons
 from preshard.contract.outcome import Outcome
-from preshard_devenv.s3server import S3Server, start_s3_server
-from tests.support import engine
-from tests.support.models import TinyModel, make_tiny_model, upload_model
-from tests.support.s3 import S3Bucket, create_bucket
+from preshard_devenv import cpuengine
+from preshard_devenv.procs import wait_for
+from preshard_devenv.s3server import S3Bucket, S3Server, create_bucket, start_s3_server
+from preshard_devenv.tinymodel import TinyModel, make_tiny_model
+from tests.support.models import upload_model
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
@@ -68,17 +68,23 @@ def _serialize(model_uri: str, bucket: str, scratch: Path, log: Path) -> int:
 
 
 def _wait_for_first_part(bucket: S3Bucket, done: threading.Event) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not done.is_set():
+    missed = "the upload finished or never started before the server could be stopped"
+
+    def a_part_stored() -> bool:
+        if done.is_set():
+            pytest.fail(missed)
         uploads = bucket.client.list_multipart_uploads(Bucket=bucket.name, Prefix="sets/fault/")
-        for upload in uploads.get("Uploads", []):
-            parts = bucket.client.list_parts(
+        return any(
+            bucket.client.list_parts(
                 Bucket=bucket.name, Key=upload["Key"], UploadId=upload["UploadId"]
-            )
-            if parts.get("Parts"):
-                return
-        time.sleep(0.02)
-    pytest.fail("the upload finished or never started before the server could be stopped")
+            ).get("Parts")
+            for upload in uploads.get("Uploads", [])
+        )
+
+    try:
+        wait_for(a_part_stored, timeout=120, interval=0.02, what="the first part to be stored")
+    except TimeoutError:
+        pytest.fail(missed)
 
 
 def test_server_stopped_mid_upload(
@@ -86,7 +92,7 @@ def test_server_stopped_mid_upload(
 ) -> None:
     for name, value in own_server.env().items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("PRESHARD_ENGINE", engine.SPEC)
+    monkeypatch.setenv("PRESHARD_ENGINE", cpuengine.SPEC)
     bucket = create_bucket(own_server, "fault")
     model_uri = upload_model(larger_model, bucket.client, bucket.name, "sources/larger")
     scratch, log = tmp_path / "scratch", tmp_path / "termination-log"

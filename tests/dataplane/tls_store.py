@@ -9,17 +9,13 @@ certificate is written beside it, the way a user would put it into a ConfigMap.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import boto3
-import botocore.exceptions
-
 from preshard_devenv import pki, procs, s3server
-from preshard_devenv.s3server import S3Server
+from preshard_devenv.s3server import S3Server, admin_client, make_bucket
 
 
 @dataclass(frozen=True)
@@ -36,23 +32,8 @@ class TlsStore:
 
     def create_bucket(self, name: str) -> None:
         """Create a bucket over HTTPS, retrying while the filer finishes starting."""
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            region_name=self.server.region,
-            aws_access_key_id=self.server.credentials.access_key_id,
-            aws_secret_access_key=self.server.credentials.secret_access_key,
-            verify=str(self.ca_file),
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.create_bucket(Bucket=name)
-                return
-            except (botocore.exceptions.ClientError, botocore.exceptions.EndpointConnectionError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        client = admin_client(self.server, endpoint_url=self.endpoint, verify=str(self.ca_file))
+        make_bucket(client, name)
 
 
 @contextmanager

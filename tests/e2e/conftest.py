@@ -19,14 +19,16 @@ from kubernetes import client as k8s
 
 from preshard_devenv import binaries, procs
 from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.podrunner import PodRunner
-from preshard_devenv.s3server import S3Server
-from tests.e2e import engine, support
-from tests.helm.conftest import Namespaces
-from tests.helm.support import CHART, Release, Tool, adopt_crd, chart_operator
-from tests.support.models import TinyModel, make_tiny_model, upload_model
-from tests.support.operator import OperatorProcess
-from tests.support.s3 import S3Bucket
+from preshard_devenv.s3server import S3Bucket, S3Server
+from preshard_devenv.tinymodel import TinyModel, make_tiny_model
+from tests.e2e import engine
+from tests.support import specs, timings
+from tests.support.chart import CHART, Release, adopt_crd, chart_operator
+from tests.support.models import upload_model
+from tests.support.namespaces import Namespaces
+from tests.support.tools import Tool
 
 # Short back-offs and a short cleanup limit keep retries within a test's patience; a small
 # scratch volume is what the tiny model needs.
@@ -45,10 +47,10 @@ MODEL_PREFIX: Final = "models/tiny"
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Print the durations the end-to-end tests measured."""
-    if not support.TIMINGS:
+    if not timings.TIMINGS:
         return
     terminalreporter.section("end-to-end timings")
-    for what, seconds in support.TIMINGS:
+    for what, seconds in timings.TIMINGS:
         terminalreporter.write_line(f"{seconds:7.1f}s  {what}")
 
 
@@ -148,14 +150,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 
 
 @pytest.fixture(scope="session")
-def store(s3_server: S3Server, s3_bucket: S3Bucket, tiny_model: TinyModel) -> support.Store:
+def store(s3_server: S3Server, s3_bucket: S3Bucket, tiny_model: TinyModel) -> specs.Store:
     """The session's S3 server and bucket, with the tiny model under `models/tiny/`."""
     uri = upload_model(tiny_model, s3_bucket.client, s3_bucket.name, MODEL_PREFIX)
-    return support.Store(server=s3_server, bucket=s3_bucket.name, model_uri=uri)
+    return specs.Store(server=s3_server, bucket=s3_bucket.name, model_uri=uri)
 
 
 @pytest.fixture
-def workspace(kube_api: k8s.ApiClient, namespace: str, store: support.Store) -> str:
+def workspace(kube_api: k8s.ApiClient, namespace: str, store: specs.Store) -> str:
     """A fresh namespace with the credentials Secret of the session's S3 server."""
-    support.create_credentials(kube_api, namespace, store.server)
+    specs.create_credentials(kube_api, namespace, store.server)
     return namespace

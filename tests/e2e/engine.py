@@ -10,14 +10,15 @@ fails the way a crashing vLLM would. Without either file it is exactly `CpuTestE
 
 from __future__ import annotations
 
+import contextlib
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from preshard.dataplane.engine import EngineRequest
-from tests.support.engine import CpuTestEngine
+from preshard_devenv.cpuengine import CpuTestEngine
+from preshard_devenv.procs import wait_for
 
 SPEC: Final = "tests.e2e.engine:ControlledEngine"
 CONTROL_ENV: Final = "PRESHARD_E2E_ENGINE_CONTROL"
@@ -87,11 +88,15 @@ class ControlledEngine(CpuTestEngine):
         directory = os.environ.get(CONTROL_ENV)
         if directory:
             control = EngineControl(Path(directory))
-            deadline = time.monotonic() + HOLD_LIMIT_SECONDS
             if control.hold_file.exists():
                 control.waiting_file.write_text(str(os.getpid()))
-            while control.hold_file.exists() and time.monotonic() < deadline:
-                time.sleep(_POLL_SECONDS)
+            with contextlib.suppress(TimeoutError):
+                wait_for(
+                    lambda: not control.hold_file.exists(),
+                    timeout=HOLD_LIMIT_SECONDS,
+                    interval=_POLL_SECONDS,
+                    what="the hold to be lifted",
+                )
             if control.fail_file.exists():
                 raise EngineFailureError("the engine failed (a test asked it to)")
         super().serialize(request)

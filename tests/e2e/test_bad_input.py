@@ -26,11 +26,14 @@ from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
 from preshard.contract import reasons
+from preshard_devenv import workloads
 from preshard_devenv.nodes import on_node
-from tests.e2e import support
-from tests.helm.conftest import Namespaces
+from preshard_devenv.operatorprocess import OperatorProcess
+from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
-from tests.support.operator import OperatorProcess
+from tests.support import specs, timings
+from tests.support.cluster import job_finished, job_names, pods, read_job
+from tests.support.namespaces import Namespaces
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
 
@@ -73,12 +76,12 @@ class Case:
 
 def shell(script: str) -> tuple[Manifest, ...]:
     """A vLLM container started through a shell string."""
-    return (support.vllm_container(command=["/bin/sh", "-c"], args=[script]),)
+    return (specs.vllm_container(command=["/bin/sh", "-c"], args=[script]),)
 
 
 def serve(*arguments: str) -> tuple[Manifest, ...]:
     """A `vllm serve ...` container."""
-    return (support.vllm_container(args=list(arguments)),)
+    return (specs.vllm_container(args=list(arguments)),)
 
 
 def plain(name: str, *command: str) -> Manifest:
@@ -314,7 +317,7 @@ ACCEPTED: Final = [case for case in CASES if case.accepted]
 REJECTED: Final = [case for case in CASES if not case.accepted]
 
 
-def edited(base: Manifest, changes: Mapping[str, Any], store: support.Store) -> Manifest:
+def edited(base: Manifest, changes: Mapping[str, Any], store: specs.Store) -> Manifest:
     """`base` with the dotted paths of `changes` set (or dropped)."""
     result = copy.deepcopy(base)
     for path, value in changes.items():
@@ -329,10 +332,10 @@ def edited(base: Manifest, changes: Mapping[str, Any], store: support.Store) -> 
     return result
 
 
-def body_of(case: Case, namespace: str, store: support.Store, name: str = NAME) -> Manifest:
+def body_of(case: Case, namespace: str, store: specs.Store, name: str = NAME) -> Manifest:
     """The ShardedModel object of a row."""
-    manifest = support.sharded_model(
-        name, namespace, edited(support.spec(store, PREFIX), case.changes, store)
+    manifest = workloads.sharded_model(
+        name, edited(specs.spec(store, PREFIX), case.changes, store), namespace=namespace
     )
     if case.annotations:
         manifest["metadata"]["annotations"] = dict(case.annotations)
@@ -353,48 +356,50 @@ class Row:
 
 def matched(case: Case, resource: Manifest) -> bool:
     """Whether a row's ShardedModel has reached the expected Ready condition."""
-    ready = shm.condition(resource, "Ready")
+    ready = workloads.condition(resource, "Ready")
     return ready is not None and (ready["status"], ready["reason"]) == (case.ready, case.reason)
 
 
-def set_up(api: k8s.ApiClient, namespaces: Namespaces, case: Case, store: support.Store) -> Row:
+def set_up(api: k8s.ApiClient, namespaces: Namespaces, case: Case, store: specs.Store) -> Row:
     """A namespace with what a row needs, and its ShardedModel."""
     namespace = namespaces.create(case.name[:30].strip("-"))
     if case.credentials != "missing":
-        support.create_credentials(api, namespace, store.server)
+        specs.create_credentials(api, namespace, store.server)
     if case.credentials == "wrong":
         k8s.CoreV1Api(api).patch_namespaced_secret(
-            support.CREDENTIALS, namespace, {"stringData": {"AWS_SECRET_ACCESS_KEY": "wrong-key-0"}}
+            specs.CREDENTIALS, namespace, {"stringData": {"AWS_SECRET_ACCESS_KEY": "wrong-key-0"}}
         )
     if case.key is not None:
-        support.create_secret(api, namespace, "encryption-key", {"key": case.key})
+        specs.create_secret(api, namespace, "encryption-key", {"key": case.key})
     before = None
     if case.deployment:
-        containers = list(case.containers) or [support.vllm_container()]
-        before = shm.create_deployment(
+        containers = list(case.containers) or [specs.vllm_container()]
+        before = workloads.create_deployment(
             api, namespace, "vllm", pod_spec={**on_node("auto"), "containers": containers}
         )
     body = body_of(case, namespace, store)
-    shm.create(api, namespace, NAME, body["spec"])
+    workloads.create_sharded_model(api, namespace, NAME, body["spec"])
     return Row(case=case, namespace=namespace, before=before, started=time.monotonic())
 
 
 @pytest.fixture(scope="module")
 def rows(
-    kube_api: k8s.ApiClient, operator: OperatorProcess, store: support.Store
+    kube_api: k8s.ApiClient, operator: OperatorProcess, store: specs.Store
 ) -> Iterator[dict[str, Row]]:
     """Every accepted row, run at once after a shard set to point at exists."""
     namespaces = Namespaces(kube_api, "bad")
     try:
         seed = namespaces.create("seed")
-        support.create_credentials(kube_api, seed, store.server)
-        shm.create(kube_api, seed, "seed", support.spec(store, PREFIX, targets=()))
+        specs.create_credentials(kube_api, seed, store.server)
+        workloads.create_sharded_model(
+            kube_api, seed, "seed", specs.spec(store, PREFIX, targets=())
+        )
         shm.wait_ready(kube_api, seed, "seed", operator=operator)
         started = time.monotonic()
         table = {case.name: set_up(kube_api, namespaces, case, store) for case in ACCEPTED}
 
         def all_matched() -> bool:
-            support.forbid_tracebacks(operator)
+            shm.forbid_tracebacks(operator)
             for row in table.values():
                 if row.resource is None:
                     resource = shm.get(kube_api, row.namespace, NAME)
@@ -403,16 +408,18 @@ def rows(
             return all(row.resource is not None for row in table.values())
 
         try:
-            support.until(all_matched, "every accepted row to reach its condition", WAIT_SECONDS)
+            wait_for(
+                all_matched, what="every accepted row to reach its condition", timeout=WAIT_SECONDS
+            )
         except TimeoutError:
             missing = {
-                row.case.name: shm.condition(shm.get(kube_api, row.namespace, NAME), "Ready")
+                row.case.name: workloads.condition(shm.get(kube_api, row.namespace, NAME), "Ready")
                 for row in table.values()
                 if row.resource is None
             }
             raise AssertionError(f"rows without their condition: {missing}") from None
-        jobs = sum(len(support.job_names(kube_api, row.namespace)) for row in table.values())
-        support.record(
+        jobs = sum(len(job_names(kube_api, row.namespace)) for row in table.values())
+        timings.record(
             f"bad input: {len(table)} accepted rows (as many namespaces and ShardedModels, "
             f"{sum(row.before is not None for row in table.values())} Deployments, {jobs} Jobs) "
             "to their conditions, at once",
@@ -424,7 +431,7 @@ def rows(
             (timed[0], timed[len(timed) // 2], timed[-1]),
             strict=True,
         ):
-            support.record(f"bad input, {rank} row: {name}", seconds)
+            timings.record(f"bad input, {rank} row: {name}", seconds)
         yield table
     finally:
         namespaces.delete_all()
@@ -436,7 +443,7 @@ def rejections_namespace(kube_api: k8s.ApiClient) -> Iterator[str]:
     namespaces = Namespaces(kube_api, "bad")
     try:
         namespace = namespaces.create("rejected")
-        support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+        specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
         yield namespace
     finally:
         namespaces.delete_all()
@@ -452,7 +459,7 @@ def test_the_api_server_refuses(
     case: Case,
     kube_api: k8s.ApiClient,
     rejections_namespace: str,
-    store: support.Store,
+    store: specs.Store,
     operator: OperatorProcess,
 ) -> None:
     namespace = rejections_namespace
@@ -472,18 +479,18 @@ def test_the_api_server_refuses(
     assert case.rejected is not None
     assert case.rejected in message, message
     assert shm.gone(kube_api, namespace, name)
-    assert support.job_names(kube_api, namespace) == []
+    assert job_names(kube_api, namespace) == []
     assert "preshard.dev/owner" not in (
         shm.read_deployment(kube_api, namespace, "vllm")["metadata"].get("annotations") or {}
     )
-    support.forbid_tracebacks(operator)
+    shm.forbid_tracebacks(operator)
 
 
 def jobs_settled(api: k8s.ApiClient, row: Row) -> list[str]:
     """Wait until every Job the row has caused so far is finished; returns their names."""
-    names = support.job_names(api, row.namespace)
+    names = job_names(api, row.namespace)
     if row.case.credentials == "missing":
-        for pod in support.pods(api, row.namespace, "app.kubernetes.io/managed-by=preshard"):
+        for pod in pods(api, row.namespace, "app.kubernetes.io/managed-by=preshard"):
             (status,) = pod.status.container_statuses
             assert status.state.waiting.reason == "CreateContainerConfigError"
             assert status.restart_count == 0
@@ -492,9 +499,9 @@ def jobs_settled(api: k8s.ApiClient, row: Row) -> list[str]:
     for name in names:
 
         def finished(name: str = name) -> str | None:
-            return support.job_finished(support.read_job(api, row.namespace, name))
+            return job_finished(read_job(api, row.namespace, name))
 
-        support.until(finished, f"Job {row.namespace}/{name} to finish", timeout=60)
+        wait_for(finished, what=f"Job {row.namespace}/{name} to finish", timeout=60)
     return names
 
 
@@ -505,9 +512,9 @@ def test_the_operator_reports_and_touches_nothing(
     row = rows[case.name]
     assert row.resource is not None
     assert row.case.reason is not None
-    assert support.is_camel_case(row.case.reason)
-    assert row.case.reason in support.KNOWN_REASONS
-    ready = shm.condition(row.resource, "Ready") or {}
+    assert shm.is_camel_case(row.case.reason)
+    assert row.case.reason in shm.KNOWN_REASONS
+    ready = workloads.condition(row.resource, "Ready") or {}
     assert ready.get("message"), "the condition says why"
     if row.before is not None:
         after = shm.read_deployment(kube_api, row.namespace, "vllm")
@@ -518,9 +525,9 @@ def test_the_operator_reports_and_touches_nothing(
     names = jobs_settled(kube_api, row)
     if case.name == "engine-arg-value-carries-a-flag":
         (serialize,) = [n for n in names if "-serialize-" in n]
-        job = support.read_job(kube_api, row.namespace, serialize)
+        job = read_job(kube_api, row.namespace, serialize)
         argv = job["spec"]["template"]["spec"]["containers"][0]["args"]
         assert "--load-format" not in argv
         carried = argv[argv.index("--engine-args-json") + 1]
         assert json.loads(carried) == {"quantization": "fp8 --load-format dummy"}
-    support.forbid_tracebacks(operator)
+    shm.forbid_tracebacks(operator)

@@ -24,14 +24,25 @@ from tensorizer.serialization import CryptographyError
 
 from preshard.contract import reasons
 from preshard.contract.outcome import Outcome
+from preshard_devenv import workloads
+from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.podrunner import PodRunner
-from tests.e2e import support
-from tests.helm.support import Tool
+from preshard_devenv.procs import wait_for
+from preshard_devenv.s3server import S3Bucket
+from preshard_devenv.tinymodel import TinyModel
 from tests.support import shardedmodels as shm
-from tests.support.cluster import RUNNER_NODE
-from tests.support.models import TinyModel, assert_shards_match
-from tests.support.operator import OperatorProcess
-from tests.support.s3 import S3Bucket
+from tests.support import specs, timings
+from tests.support.cluster import RUNNER_NODE, job_names, job_outcome
+from tests.support.leaks import api_objects, leaks
+from tests.support.models import assert_shards_match
+from tests.support.serving import (
+    MODEL_VOLUME,
+    container_flags,
+    load_like_vllm,
+    pod_dir,
+    serving_pod,
+)
+from tests.support.tools import Tool, kubectl_apply
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
 
@@ -50,17 +61,17 @@ def wait_serving(api: k8s.ApiClient, namespace: str, operator: OperatorProcess) 
     """The patched Deployment's Running pod, once its init container fetched the config."""
 
     def serving() -> Any | None:
-        support.forbid_tracebacks(operator)
-        return support.serving_pod(api, namespace, "vllm")
+        shm.forbid_tracebacks(operator)
+        return serving_pod(api, namespace, "vllm")
 
-    return support.until(serving, "a pod of the patched Deployment to serve", timeout=60)
+    return wait_for(serving, what="a pod of the patched Deployment to serve", timeout=60)
 
 
 def check_jobs_ran_for_real(
     api: k8s.ApiClient, namespace: str, runner: PodRunner
 ) -> dict[str, Outcome]:
     """Probe, serialize and verify each ran once, on the runner node, and reported back."""
-    names = support.job_names(api, namespace)
+    names = job_names(api, namespace)
     assert [name.rsplit("-", 2)[-2:] for name in names] == [
         ["serialize", "1"],
         ["verify", "1"],
@@ -68,7 +79,7 @@ def check_jobs_ran_for_real(
     ], names
     outcomes = {}
     for name in names:
-        pod, outcome = support.job_outcome(api, namespace, name)
+        pod, outcome = job_outcome(api, namespace, name)
         assert pod.spec.node_name == RUNNER_NODE
         outcomes[name.rsplit("-", 2)[-2] + name[-2:]] = outcome
         log = runner.logs(namespace, pod.metadata.name, "preshard")
@@ -91,8 +102,8 @@ def check_config_fetched(
     outcome = Outcome.from_message(init.state.terminated.message)
     assert outcome is not None
     assert (outcome.command, outcome.reason) == ("fetch-config", reasons.CONFIG_FETCHED)
-    model_dir = support.pod_dir(runner, namespace, pod.metadata.name) / "volumes"
-    fetched = model_dir / support.MODEL_VOLUME
+    model_dir = pod_dir(runner, namespace, pod.metadata.name) / "volumes"
+    fetched = model_dir / MODEL_VOLUME
     assert sorted(p.name for p in fetched.iterdir()) == sorted(model.config_files)
     for name in model.config_files:
         assert (fetched / name).read_bytes() == (model.path / name).read_bytes(), name
@@ -103,7 +114,7 @@ def test_kubectl_apply_ends_in_a_deployment_that_loads_the_shards(
     admin_kubectl: Tool,
     operator: OperatorProcess,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     s3_bucket: S3Bucket,
     tiny_model: TinyModel,
     pod_runner: PodRunner,
@@ -112,20 +123,20 @@ def test_kubectl_apply_ends_in_a_deployment_that_loads_the_shards(
 ) -> None:
     namespace = workspace
     clear_prefix(s3_bucket, SHARDS)
-    original = support.create_vllm_deployment(kube_api, namespace)
-    manifest = support.sharded_model("tiny", namespace, support.spec(store, SHARDS))
+    original = specs.create_vllm_deployment(kube_api, namespace)
+    manifest = workloads.sharded_model("tiny", specs.spec(store, SHARDS), namespace=namespace)
 
     started = time.monotonic()
-    applied = support.kubectl_apply(admin_kubectl, manifest, tmp_path)
+    applied = kubectl_apply(admin_kubectl, manifest, tmp_path)
     assert "shardedmodel.preshard.dev/tiny created" in applied
     resource = shm.wait_ready(kube_api, namespace, "tiny", operator=operator)
     ready = time.monotonic() - started
     pod = wait_serving(kube_api, namespace, operator)
     serving = time.monotonic() - started
-    support.record("kubectl apply -> Ready (probe, serialize, verify, patch), TP 2", ready)
-    support.record("kubectl apply -> patched pod serving (fetch-config done)", serving)
+    timings.record("kubectl apply -> Ready (probe, serialize, verify, patch), TP 2", ready)
+    timings.record("kubectl apply -> patched pod serving (fetch-config done)", serving)
 
-    entry = support.only_set(resource)
+    entry = shm.only_set(resource)
     assert (entry["stage"], entry["reason"]) == ("Verified", reasons.VERIFIED)
     assert (entry["serializeRun"], entry["verifyRun"], entry["files"]) == (1, 2, 6)
     assert entry["uri"] == f"s3://{store.bucket}/{SHARDS}/{entry['artifactKey']}/"
@@ -156,21 +167,21 @@ def test_kubectl_apply_ends_in_a_deployment_that_loads_the_shards(
     assert (recorded["tensorParallelSize"], recorded["artifactKey"]) == (2, entry["artifactKey"])
 
     deployment = shm.read_deployment(kube_api, namespace, "vllm")
-    tp, load_format, extra = support.container_flags(deployment)
+    tp, load_format, extra = container_flags(deployment)
     assert (tp, load_format) == (2, "tensorizer")
     assert extra["tensorizer_uri"] == f"{entry['uri']}model-rank-%03d.tensors"
     args = shm.vllm_args(deployment)
-    assert shm.flag(args, "--served-model-name") == support.SERVED_MODEL
+    assert shm.flag(args, "--served-model-name") == specs.SERVED_MODEL
     vllm = deployment["spec"]["template"]["spec"]["containers"][0]
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert deployment["spec"]["replicas"] == original["spec"]["replicas"]
 
     check_config_fetched(kube_api, namespace, pod, pod_runner, tiny_model)
-    with support.stopwatch("load both rank files from S3 as vLLM would and compare"):
-        support.load_like_vllm(
+    with timings.stopwatch("load both rank files from S3 as vLLM would and compare"):
+        load_like_vllm(
             kube_api, namespace, deployment, tiny_model, tmp_path / "loaded", monkeypatch
         )
-    support.forbid_tracebacks(operator)
+    shm.forbid_tracebacks(operator)
 
 
 def test_an_encrypted_set_loads_only_with_its_key_which_stays_in_its_secret(
@@ -178,7 +189,7 @@ def test_an_encrypted_set_loads_only_with_its_key_which_stays_in_its_secret(
     admin_kubectl: Tool,
     operator: OperatorProcess,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     tiny_model: TinyModel,
     pod_runner: PodRunner,
     tmp_path: Path,
@@ -186,27 +197,29 @@ def test_an_encrypted_set_loads_only_with_its_key_which_stays_in_its_secret(
 ) -> None:
     namespace = workspace
     key = secrets.token_bytes(32)
-    support.create_secret(kube_api, namespace, KEY_SECRET, {"key": key})
-    support.create_vllm_deployment(kube_api, namespace)
-    body = support.spec(store, SHARDS, encryption={"secretRef": {"name": KEY_SECRET, "key": "key"}})
+    specs.create_secret(kube_api, namespace, KEY_SECRET, {"key": key})
+    specs.create_vllm_deployment(kube_api, namespace)
+    body = specs.spec(store, SHARDS, encryption={"secretRef": {"name": KEY_SECRET, "key": "key"}})
     started = time.monotonic()
-    support.kubectl_apply(admin_kubectl, support.sharded_model("secret", namespace, body), tmp_path)
+    kubectl_apply(
+        admin_kubectl, workloads.sharded_model("secret", body, namespace=namespace), tmp_path
+    )
     shm.wait_ready(kube_api, namespace, "secret", operator=operator)
     pod = wait_serving(kube_api, namespace, operator)
-    support.record(
+    timings.record(
         "kubectl apply -> patched pod serving, encrypted TP 2", time.monotonic() - started
     )
 
     deployment = shm.read_deployment(kube_api, namespace, "vllm")
-    _, _, extra = support.container_flags(deployment)
+    _, _, extra = container_flags(deployment)
     assert extra["encryption_keyfile"] == KEY_MOUNT
     pod_spec = deployment["spec"]["template"]["spec"]
     key_volumes = [v for v in pod_spec["volumes"] if "secret" in v]
     assert [v["secret"]["items"] for v in key_volumes] == [[{"key": "key", "path": "key"}]]
-    mounted = support.pod_dir(pod_runner, namespace, pod.metadata.name) / "volumes"
+    mounted = pod_dir(pod_runner, namespace, pod.metadata.name) / "volumes"
     assert (mounted / key_volumes[0]["name"] / "key").read_bytes() == key
 
-    paths = support.load_like_vllm(
+    paths = load_like_vllm(
         kube_api, namespace, deployment, tiny_model, tmp_path / "loaded", monkeypatch, key=key
     )
     with pytest.raises(CryptographyError):
@@ -214,5 +227,5 @@ def test_an_encrypted_set_loads_only_with_its_key_which_stays_in_its_secret(
     with pytest.raises(CryptographyError):
         assert_shards_match(tiny_model, paths, key=secrets.token_bytes(32))
 
-    texts = support.api_objects(kube_api, namespace) | {"operator log": operator.log()}
-    assert support.leaks(texts, {"encryption key": key}) == []
+    texts = api_objects(kube_api, namespace) | {"operator log": operator.log()}
+    assert leaks(texts, {"encryption key": key}) == []

@@ -18,17 +18,31 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard.contract import reasons
+from preshard_devenv import workloads
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.nodes import TEST_NODE_LABEL
+from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.podrunner import PodRunner
-from tests.e2e import support
+from preshard_devenv.procs import wait_for
+from preshard_devenv.s3server import S3Bucket
 from tests.e2e.engine import EngineControl
 from tests.e2e.writegate import WriteGate
-from tests.helm.conftest import Namespaces
 from tests.support import shardedmodels as shm
-from tests.support.cluster import MANUAL_NODE, RUNNER_NODE, complete_pod, now
-from tests.support.operator import OperatorProcess
-from tests.support.s3 import S3Bucket
+from tests.support import specs, timings
+from tests.support.cluster import (
+    MANUAL_NODE,
+    RUNNER_NODE,
+    complete_pod,
+    job_exists,
+    job_finished,
+    job_named,
+    job_names,
+    now,
+    pods,
+    read_job,
+)
+from tests.support.namespaces import Namespaces
+from tests.support.serving import container_flags
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
 
@@ -61,7 +75,7 @@ def set_keys(bucket: S3Bucket, entry: dict[str, Any]) -> list[str]:
 
 def serialize_jobs(api: k8s.ApiClient, namespace: str) -> list[str]:
     """The names of the namespace's serialize Jobs."""
-    return [n for n in support.job_names(api, namespace) if "-serialize-" in n]
+    return [n for n in job_names(api, namespace) if "-serialize-" in n]
 
 
 def newest_serialize_job(api: k8s.ApiClient, namespace: str, owner: str) -> str | None:
@@ -72,16 +86,18 @@ def newest_serialize_job(api: k8s.ApiClient, namespace: str, owner: str) -> str 
 
 @pytest.fixture(scope="module")
 def shared_set(
-    kube_api: k8s.ApiClient, operator: OperatorProcess, store: support.Store
+    kube_api: k8s.ApiClient, operator: OperatorProcess, store: specs.Store
 ) -> Iterator[dict[str, Any]]:
     """The shard set under the shared prefix, made (or found) once for the module, and kept
     listed by a ShardedModel for as long as the module runs."""
     namespaces = Namespaces(kube_api, "faults")
     try:
         namespace = namespaces.create("shared")
-        support.create_credentials(kube_api, namespace, store.server)
-        shm.create(kube_api, namespace, "shared", support.spec(store, SHARED, targets=()))
-        yield support.only_set(shm.wait_ready(kube_api, namespace, "shared", operator=operator))
+        specs.create_credentials(kube_api, namespace, store.server)
+        workloads.create_sharded_model(
+            kube_api, namespace, "shared", specs.spec(store, SHARED, targets=())
+        )
+        yield shm.only_set(shm.wait_ready(kube_api, namespace, "shared", operator=operator))
     finally:
         namespaces.delete_all()
 
@@ -99,7 +115,7 @@ def copy_set(bucket: S3Bucket, entry: dict[str, Any], prefix: str) -> None:
 
 def manual_pods(api: k8s.ApiClient, namespace: str, job: str) -> list[Any]:
     """The pods of a Job, oldest first."""
-    return support.pods(api, namespace, f"job-name={job}")
+    return pods(api, namespace, f"job-name={job}")
 
 
 def evict(api: k8s.ApiClient, pod: Any) -> None:
@@ -161,10 +177,12 @@ def restart_apiserver_between_heartbeats(api: k8s.ApiClient, cluster: LocalClust
     before the next one: the pod runner's heartbeat thread does not survive a heartbeat that
     meets a stopped API server (see the expected failure below)."""
     seen = last_heartbeat(api, RUNNER_NODE)
-    support.until(
-        lambda: last_heartbeat(api, RUNNER_NODE) != seen, "the runner's next heartbeat", 30
+    wait_for(
+        lambda: last_heartbeat(api, RUNNER_NODE) != seen,
+        what="the runner's next heartbeat",
+        timeout=30,
     )
-    with support.stopwatch("kube-apiserver restart"):
+    with timings.stopwatch("kube-apiserver restart"):
         cluster.restart_apiserver()
 
 
@@ -172,16 +190,16 @@ def test_operator_killed_mid_serialization_picks_the_run_up(
     kube_api: k8s.ApiClient,
     operator: OperatorProcess,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     engine_switchboard: EngineControl,
 ) -> None:
     namespace = workspace
     engine_switchboard.hold()
-    support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
-    shm.create(kube_api, namespace, "llama", support.spec(store, fresh_prefix()))
-    support.job_named(kube_api, namespace, "-serialize-1")
-    support.until(engine_switchboard.engine_waiting, "the serialize pod to reach the engine")
-    before = support.only_set(shm.get(kube_api, namespace, "llama"))
+    specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    workloads.create_sharded_model(kube_api, namespace, "llama", specs.spec(store, fresh_prefix()))
+    job_named(kube_api, namespace, "-serialize-1")
+    wait_for(engine_switchboard.engine_waiting, what="the serialize pod to reach the engine")
+    before = shm.only_set(shm.get(kube_api, namespace, "llama"))
 
     assert operator.alive()
     operator.kill()
@@ -189,33 +207,31 @@ def test_operator_killed_mid_serialization_picks_the_run_up(
     operator.start(timeout=60)
     engine_switchboard.release()
     resource = shm.wait_ready(kube_api, namespace, "llama", operator=operator)
-    support.record(
+    timings.record(
         "operator SIGKILLed mid-serialization: restart -> Ready", time.monotonic() - started
     )
 
-    entry = support.only_set(resource)
+    entry = shm.only_set(resource)
     assert (before["stage"], before["serializeRun"]) == ("Serializing", 1)
     assert (entry["stage"], entry["serializeRun"], entry["verifyRun"]) == ("Verified", 1, 2)
     assert serialize_jobs(kube_api, namespace) == [before["job"]]
-    assert support.job_finished(support.job_named(kube_api, namespace, "-serialize-1")) == (
-        "Complete"
-    )
-    support.forbid_tracebacks(operator)
+    assert job_finished(job_named(kube_api, namespace, "-serialize-1")) == ("Complete")
+    shm.forbid_tracebacks(operator)
 
 
 def test_a_failing_engine_is_retried_then_failed_and_the_retry_annotation_starts_over(
     kube_api: k8s.ApiClient,
     operator: OperatorProcess,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     s3_bucket: S3Bucket,
     engine_switchboard: EngineControl,
 ) -> None:
     namespace = workspace
     engine_switchboard.fail()
-    original = support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
-    body = support.spec(store, fresh_prefix(), serialization={"backoffLimit": 1})
-    shm.create(kube_api, namespace, "llama", body)
+    original = specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    body = specs.spec(store, fresh_prefix(), serialization={"backoffLimit": 1})
+    workloads.create_sharded_model(kube_api, namespace, "llama", body)
     started = time.monotonic()
     resource = shm.wait_condition(
         kube_api,
@@ -226,12 +242,12 @@ def test_a_failing_engine_is_retried_then_failed_and_the_retry_annotation_starts
         reasons.SERIALIZATION_FAILED,
         operator=operator,
     )
-    support.record("engine failing twice (backoffLimit 1) -> Failed", time.monotonic() - started)
+    timings.record("engine failing twice (backoffLimit 1) -> Failed", time.monotonic() - started)
 
-    entry = support.only_set(resource)
+    entry = shm.only_set(resource)
     assert (entry["stage"], entry["serializeRun"]) == ("Failed", 1)
-    job = support.job_named(kube_api, namespace, "-serialize-1")
-    assert support.job_finished(job) == "Failed"
+    job = job_named(kube_api, namespace, "-serialize-1")
+    assert job_finished(job) == "Failed"
     codes = [
         p.status.container_statuses[0].state.terminated.exit_code
         for p in manual_pods(kube_api, namespace, job["metadata"]["name"])
@@ -244,29 +260,29 @@ def test_a_failing_engine_is_retried_then_failed_and_the_retry_annotation_starts
     started = time.monotonic()
     annotate(kube_api, namespace, "llama", {RETRY: "1"})
     resource = shm.wait_ready(kube_api, namespace, "llama", operator=operator)
-    support.record("retry annotation after a failure -> Ready", time.monotonic() - started)
+    timings.record("retry annotation after a failure -> Ready", time.monotonic() - started)
     assert serialize_jobs(kube_api, namespace)[-1].endswith("-serialize-2")
-    assert "manifest.json" in set_keys(s3_bucket, support.only_set(resource))
-    support.forbid_tracebacks(operator)
+    assert "manifest.json" in set_keys(s3_bucket, shm.only_set(resource))
+    shm.forbid_tracebacks(operator)
 
 
 def test_oom_kills_and_evictions_use_the_backoff_then_fail_with_the_reason(
-    kube_api: k8s.ApiClient, operator: OperatorProcess, workspace: str, store: support.Store
+    kube_api: k8s.ApiClient, operator: OperatorProcess, workspace: str, store: specs.Store
 ) -> None:
     """Two serializations on the manual node at once: `oom` is OOM-killed twice with one retry
     allowed; `evicted` is evicted and then OOM-killed with none allowed."""
     namespace = workspace
-    original = support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    original = specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
     prefix = fresh_prefix()
     for name, retries in OOM_CASES.items():
-        body = support.spec(
+        body = specs.spec(
             store,
             prefix,
             serialize_on="manual",
             serialization={"backoffLimit": retries},
             targets=[{"name": "vllm"}] if name == "oom" else [],
         )
-        shm.create(kube_api, namespace, name, body)
+        workloads.create_sharded_model(kube_api, namespace, name, body)
 
     def both_started() -> dict[str, str] | None:
         started: dict[str, str] = {}
@@ -277,7 +293,7 @@ def test_oom_kills_and_evictions_use_the_backoff_then_fail_with_the_reason(
             started[owner] = job
         return started
 
-    jobs = support.until(both_started, "both serializations to start")
+    jobs = wait_for(both_started, what="both serializations to start")
     started = time.monotonic()
 
     def pod_number(job: str, count: int) -> Any:
@@ -286,7 +302,7 @@ def test_oom_kills_and_evictions_use_the_backoff_then_fail_with_the_reason(
             fresh = [p for p in found if p.status.phase == "Running"]
             return fresh[-1] if len(found) == count and fresh else None
 
-        return support.until(running, f"pod {count} of {job} to run on {MANUAL_NODE}")
+        return wait_for(running, what=f"pod {count} of {job} to run on {MANUAL_NODE}")
 
     complete_pod(kube_api, pod_number(jobs["oom"], 1), 137, None, reason="OOMKilled")
     evict(kube_api, pod_number(jobs["evicted"], 1))
@@ -296,11 +312,11 @@ def test_oom_kills_and_evictions_use_the_backoff_then_fail_with_the_reason(
         resource = shm.wait_condition(
             kube_api, namespace, name, "Ready", "False", reasons.OOM_KILLED, operator=operator
         )
-        assert "ran out of memory" in (shm.condition(resource, "Ready") or {})["message"]
-    support.record("OOM kills and an eviction -> Failed (OOMKilled)", time.monotonic() - started)
+        assert "ran out of memory" in (workloads.condition(resource, "Ready") or {})["message"]
+    timings.record("OOM kills and an eviction -> Failed (OOMKilled)", time.monotonic() - started)
 
     for name, failed in (("oom", 2), ("evicted", 1)):
-        status = support.read_job(kube_api, namespace, jobs[name])["status"]
+        status = read_job(kube_api, namespace, jobs[name])["status"]
         assert len(manual_pods(kube_api, namespace, jobs[name])) == 2
         assert status["failed"] == failed, "an eviction does not count against the backoff"
         reasons_ = [c["reason"] for c in status["conditions"] if c["type"] == "Failed"]
@@ -314,21 +330,21 @@ def test_oom_kills_and_evictions_use_the_backoff_then_fail_with_the_reason(
     newest = newest_serialize_job(kube_api, namespace, "oom")
     assert newest is not None
     assert newest.endswith("-serialize-2")
-    support.forbid_tracebacks(operator)
+    shm.forbid_tracebacks(operator)
 
 
 def test_more_memory_after_an_oom_kill_starts_over(
-    kube_api: k8s.ApiClient, operator: OperatorProcess, workspace: str, store: support.Store
+    kube_api: k8s.ApiClient, operator: OperatorProcess, workspace: str, store: specs.Store
 ) -> None:
     namespace = workspace
-    support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
-    body = support.spec(
+    specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    body = specs.spec(
         store, fresh_prefix(), serialize_on="manual", serialization={"backoffLimit": 0}
     )
-    shm.create(kube_api, namespace, "llama", body)
-    job = support.job_named(kube_api, namespace, "-serialize-1")["metadata"]["name"]
-    pod = support.until(
-        lambda: next(iter(manual_pods(kube_api, namespace, job)), None), f"a pod of {job}"
+    workloads.create_sharded_model(kube_api, namespace, "llama", body)
+    job = job_named(kube_api, namespace, "-serialize-1")["metadata"]["name"]
+    pod = wait_for(
+        lambda: next(iter(manual_pods(kube_api, namespace, job)), None), what=f"a pod of {job}"
     )
     complete_pod(kube_api, pod, 137, None, reason="OOMKilled")
     shm.wait_condition(
@@ -341,7 +357,7 @@ def test_more_memory_after_an_oom_kill_starts_over(
         resource = shm.get(kube_api, namespace, "llama")
         return resource if resource["status"].get("observedGeneration") == 2 else None
 
-    entry = support.only_set(support.until(planned_again, "the new generation to be planned"))
+    entry = shm.only_set(wait_for(planned_again, what="the new generation to be planned"))
     assert entry["stage"] == "Serializing"
 
 
@@ -349,17 +365,17 @@ def test_a_rank_file_deleted_after_ready_is_detected_and_nothing_is_repointed(
     kube_api: k8s.ApiClient,
     operator: OperatorProcess,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     s3_bucket: S3Bucket,
     shared_set: dict[str, Any],
 ) -> None:
     namespace = workspace
     prefix = fresh_prefix()
     copy_set(s3_bucket, shared_set, prefix)
-    support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
-    body = support.spec(store, prefix, verification={"intervalSeconds": 3})
-    shm.create(kube_api, namespace, "llama", body)
-    entry = support.only_set(shm.wait_ready(kube_api, namespace, "llama", operator=operator))
+    specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    body = specs.spec(store, prefix, verification={"intervalSeconds": 3})
+    workloads.create_sharded_model(kube_api, namespace, "llama", body)
+    entry = shm.only_set(shm.wait_ready(kube_api, namespace, "llama", operator=operator))
     assert entry["reason"] == reasons.ALREADY_SERIALIZED
     patched = shm.read_deployment(kube_api, namespace, "vllm")
 
@@ -369,14 +385,14 @@ def test_a_rank_file_deleted_after_ready_is_detected_and_nothing_is_repointed(
     resource = shm.wait_condition(
         kube_api, namespace, "llama", "Ready", "False", reasons.SHARD_MISSING, operator=operator
     )
-    support.record(
+    timings.record(
         "rank file deleted -> ShardMissing (verification every 3s)", time.monotonic() - started
     )
 
-    degraded = shm.condition(resource, "Degraded") or {}
+    degraded = workloads.condition(resource, "Degraded") or {}
     assert (degraded["status"], degraded["reason"]) == ("True", reasons.SHARD_MISSING)
     assert "model-rank-001.tensors" in degraded["message"]
-    assert support.only_set(resource)["stage"] == "Failed"
+    assert shm.only_set(resource)["stage"] == "Failed"
     current = shm.read_deployment(kube_api, namespace, "vllm")
     assert current["metadata"]["generation"] == patched["metadata"]["generation"]
     assert current["spec"]["template"] == patched["spec"]["template"]
@@ -384,20 +400,20 @@ def test_a_rank_file_deleted_after_ready_is_detected_and_nothing_is_repointed(
     started = time.monotonic()
     annotate(kube_api, namespace, "llama", {RETRY: "rebuild"})
     resource = shm.wait_ready(kube_api, namespace, "llama", operator=operator)
-    support.record("retry annotation -> set rebuilt and Ready", time.monotonic() - started)
-    assert "model-rank-001.tensors" in set_keys(s3_bucket, support.only_set(resource))
-    degraded = shm.condition(resource, "Degraded") or {}
+    timings.record("retry annotation -> set rebuilt and Ready", time.monotonic() - started)
+    assert "model-rank-001.tensors" in set_keys(s3_bucket, shm.only_set(resource))
+    degraded = workloads.condition(resource, "Degraded") or {}
     assert degraded["status"] == "False"
-    support.forbid_tracebacks(operator)
+    shm.forbid_tracebacks(operator)
 
 
 def test_the_target_deployment_deleted_recreated_and_edited_by_hand(
-    kube_api: k8s.ApiClient, operator: OperatorProcess, workspace: str, store: support.Store
+    kube_api: k8s.ApiClient, operator: OperatorProcess, workspace: str, store: specs.Store
 ) -> None:
     namespace = workspace
     apps = k8s.AppsV1Api(kube_api)
-    original = support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
-    shm.create(kube_api, namespace, "llama", support.spec(store, SHARED))
+    original = specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    workloads.create_sharded_model(kube_api, namespace, "llama", specs.spec(store, SHARED))
     shm.wait_ready(kube_api, namespace, "llama", operator=operator)
 
     args = shm.vllm_args(shm.read_deployment(kube_api, namespace, "vllm"))
@@ -411,13 +427,11 @@ def test_the_target_deployment_deleted_recreated_and_edited_by_hand(
     started = time.monotonic()
 
     def reasserted() -> bool:
-        tp, load_format, _ = support.container_flags(
-            shm.read_deployment(kube_api, namespace, "vllm")
-        )
+        tp, load_format, _ = container_flags(shm.read_deployment(kube_api, namespace, "vllm"))
         return (tp, load_format) == (2, "tensorizer")
 
-    support.until(reasserted, "the TP and load format to be re-asserted")
-    support.record("hand edit of TP and load format -> re-asserted", time.monotonic() - started)
+    wait_for(reasserted, what="the TP and load format to be re-asserted")
+    timings.record("hand edit of TP and load format -> re-asserted", time.monotonic() - started)
 
     apps.patch_namespaced_deployment(
         "vllm",
@@ -435,7 +449,7 @@ def test_the_target_deployment_deleted_recreated_and_edited_by_hand(
         targets = (shm.get(kube_api, namespace, "llama").get("status") or {}).get("targets") or []
         return next((t for t in targets if t["reason"] == reasons.TARGET_IMAGE_CHANGED), None)
 
-    reported = support.until(image_reported, "the image change to be reported")
+    reported = wait_for(image_reported, what="the image change to be reported")
     assert "v0.35.0" in reported["message"]
     events = k8s.CoreV1Api(kube_api).list_namespaced_event(namespace).items
     assert any(e.reason == reasons.TARGET_IMAGE_CHANGED and e.type == "Warning" for e in events)
@@ -447,23 +461,23 @@ def test_the_target_deployment_deleted_recreated_and_edited_by_hand(
         kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_NOT_FOUND, operator=operator
     )
     started = time.monotonic()
-    support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
     shm.wait_ready(kube_api, namespace, "llama", operator=operator)
-    support.record("target Deployment re-created -> patched and Ready", time.monotonic() - started)
-    tp, load_format, _ = support.container_flags(shm.read_deployment(kube_api, namespace, "vllm"))
+    timings.record("target Deployment re-created -> patched and Ready", time.monotonic() - started)
+    tp, load_format, _ = container_flags(shm.read_deployment(kube_api, namespace, "vllm"))
     assert (tp, load_format) == (2, "tensorizer")
     assert (
         original["metadata"]["uid"]
         != shm.read_deployment(kube_api, namespace, "vllm")["metadata"]["uid"]
     )
-    support.forbid_tracebacks(operator)
+    shm.forbid_tracebacks(operator)
 
 
 def test_conflicting_writes_are_retried_without_duplicates(
     kube_api: k8s.ApiClient,
     operator: OperatorProcess,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     tmp_path: Path,
 ) -> None:
     """The user edits the target between the operator's read of it and its patch: the patch,
@@ -472,15 +486,17 @@ def test_conflicting_writes_are_retried_without_duplicates(
     run, however busy the machine is."""
     namespace = workspace
     apps = k8s.AppsV1Api(kube_api)
-    support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
     gate = WriteGate(tmp_path)
     edits = 3
     with gate.installed(operator):
         log_start = len(operator.log())
         gate.hold(namespace, "vllm")
-        shm.create(kube_api, namespace, "llama", support.spec(store, SHARED))
-        held = support.until(
-            lambda: gate.held(namespace, "vllm"), "the operator's patch of the target", 120
+        workloads.create_sharded_model(kube_api, namespace, "llama", specs.spec(store, SHARED))
+        held = wait_for(
+            lambda: gate.held(namespace, "vllm"),
+            what="the operator's patch of the target",
+            timeout=120,
         )
         generation = shm.read_deployment(kube_api, namespace, "vllm")["metadata"]["generation"]
         assert held[0] == {"op": "test", "path": "/metadata/generation", "value": generation}
@@ -491,17 +507,17 @@ def test_conflicting_writes_are_retried_without_duplicates(
                 "vllm", namespace, {"metadata": mark, "spec": {"template": {"metadata": mark}}}
             )
         gate.release(namespace, "vllm")
-        support.until(
+        wait_for(
             lambda: "changed; retrying" in operator.log()[log_start:],
-            "the operator to meet the conflicting write",
+            what="the operator to meet the conflicting write",
         )
         started = time.monotonic()
         shm.wait_ready(kube_api, namespace, "llama", operator=operator)
-        support.record(
+        timings.record(
             f"conflicting write ({edits} edits while the patch was held) -> Ready",
             time.monotonic() - started,
         )
-        names = support.job_names(kube_api, namespace)
+        names = job_names(kube_api, namespace)
         assert len(names) == len(set(names))
         assert not any(n.endswith("-serialize-2") or n.endswith("-verify-3") for n in names), names
         deployment = shm.read_deployment(kube_api, namespace, "vllm")
@@ -510,9 +526,9 @@ def test_conflicting_writes_are_retried_without_duplicates(
         assert annotations["e2e/edit"] == last, "the user's edits are kept"
         template = deployment["spec"]["template"]["metadata"]["annotations"]
         assert template["e2e/edit"] == last, "the patch was planned again from the edited version"
-        tp, load_format, _ = support.container_flags(deployment)
+        tp, load_format, _ = container_flags(deployment)
         assert (tp, load_format) == (2, "tensorizer")
-        support.forbid_tracebacks(operator)
+        shm.forbid_tracebacks(operator)
 
 
 def test_an_api_server_restart_mid_serialization_loses_nothing(
@@ -520,22 +536,22 @@ def test_an_api_server_restart_mid_serialization_loses_nothing(
     cluster: LocalCluster,
     operator: OperatorProcess,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     engine_switchboard: EngineControl,
 ) -> None:
     namespace = workspace
     engine_switchboard.hold()
-    support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
-    shm.create(kube_api, namespace, "llama", support.spec(store, fresh_prefix()))
-    support.job_named(kube_api, namespace, "-serialize-1")
-    support.until(engine_switchboard.engine_waiting, "the serialize pod to reach the engine")
+    specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    workloads.create_sharded_model(kube_api, namespace, "llama", specs.spec(store, fresh_prefix()))
+    job_named(kube_api, namespace, "-serialize-1")
+    wait_for(engine_switchboard.engine_waiting, what="the serialize pod to reach the engine")
 
     started = time.monotonic()
     restart_apiserver_between_heartbeats(kube_api, cluster)
     engine_switchboard.release()
     resource = shm.wait_ready(kube_api, namespace, "llama", operator=operator)
-    support.record("API server restarted mid-serialization -> Ready", time.monotonic() - started)
-    entry = support.only_set(resource)
+    timings.record("API server restarted mid-serialization -> Ready", time.monotonic() - started)
+    entry = shm.only_set(resource)
     assert (entry["serializeRun"], entry["verifyRun"]) == (1, 2)
     assert len(serialize_jobs(kube_api, namespace)) == 1
     assert operator.alive()
@@ -557,8 +573,9 @@ def test_the_runner_heartbeat_outlives_an_api_server_restart(
         restarted = last_heartbeat(kube_api, node)
         # A heartbeat thread that died on the stopped server never beats again; one that lives
         # beats as soon as the restarted server answers, which on a busy machine takes a while.
-        support.until(
-            lambda: last_heartbeat(kube_api, node) != restarted, "a heartbeat after the restart"
+        wait_for(
+            lambda: last_heartbeat(kube_api, node) != restarted,
+            what="a heartbeat after the restart",
         )
     finally:
         runner.stop()
@@ -569,19 +586,19 @@ def test_retention_delete_removes_a_set_whose_key_is_also_used_under_another_pre
     kube_api: k8s.ApiClient,
     operator: OperatorProcess,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     s3_bucket: S3Bucket,
     shared_set: dict[str, Any],
 ) -> None:
     prefix = fresh_prefix()
     copy_set(s3_bucket, shared_set, prefix)
-    body = support.spec(store, prefix, targets=(), storage={"retention": "Delete"})
-    shm.create(kube_api, workspace, "doomed", body)
-    doomed = support.only_set(shm.wait_ready(kube_api, workspace, "doomed", operator=operator))
+    body = specs.spec(store, prefix, targets=(), storage={"retention": "Delete"})
+    workloads.create_sharded_model(kube_api, workspace, "doomed", body)
+    doomed = shm.only_set(shm.wait_ready(kube_api, workspace, "doomed", operator=operator))
     assert (doomed["artifactKey"], doomed["uri"]) != (shared_set["artifactKey"], shared_set["uri"])
     assert doomed["artifactKey"] == shared_set["artifactKey"]
     shm.delete(kube_api, workspace, "doomed")
-    support.until(lambda: shm.gone(kube_api, workspace, "doomed"), "the deletion")
+    wait_for(lambda: shm.gone(kube_api, workspace, "doomed"), what="the deletion")
     assert set_keys(s3_bucket, doomed) == []
 
 
@@ -590,25 +607,25 @@ def test_deleting_the_resource_while_its_job_runs(
     kube_api: k8s.ApiClient,
     operator: OperatorProcess,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     s3_bucket: S3Bucket,
     engine_switchboard: EngineControl,
     retention: str,
 ) -> None:
     namespace = workspace
-    original = support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    original = specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
     # The TP 4 set must come from a serialize Job, not a reshard of the TP 2 one.
     gpu_only = {"reshard": False}
     if retention == "Delete":
         # A key no other ShardedModel lists (see the expected failure above).
         unique = {**gpu_only, "extraEngineArgs": {"seed": str(secrets.randbelow(10**9))}}
-        body = support.spec(
+        body = specs.spec(
             store, fresh_prefix(), storage={"retention": "Delete"}, serialization=unique
         )
     else:
-        body = support.spec(store, SHARED, storage={"retention": "Retain"}, serialization=gpu_only)
-    shm.create(kube_api, namespace, "llama", body)
-    served = support.only_set(shm.wait_ready(kube_api, namespace, "llama", operator=operator))
+        body = specs.spec(store, SHARED, storage={"retention": "Retain"}, serialization=gpu_only)
+    workloads.create_sharded_model(kube_api, namespace, "llama", body)
+    served = shm.only_set(shm.wait_ready(kube_api, namespace, "llama", operator=operator))
     stored = set_keys(s3_bucket, served)
     assert "manifest.json" in stored
 
@@ -624,21 +641,21 @@ def test_deleting_the_resource_while_its_job_runs(
             }
         },
     )
-    support.until(engine_switchboard.engine_waiting, "the TP 4 serialization to run")
+    wait_for(engine_switchboard.engine_waiting, what="the TP 4 serialization to run")
     (running,) = [
         j["metadata"]["name"]
         for j in shm.jobs(kube_api, namespace)
-        if "-serialize-" in j["metadata"]["name"] and not support.job_finished(j)
+        if "-serialize-" in j["metadata"]["name"] and not job_finished(j)
     ]
     started = time.monotonic()
     shm.delete(kube_api, namespace, "llama")
-    support.until(lambda: shm.gone(kube_api, namespace, "llama"), "the finalizer to be released")
-    support.record(
+    wait_for(lambda: shm.gone(kube_api, namespace, "llama"), what="the finalizer to be released")
+    timings.record(
         f"ShardedModel deleted mid-serialization ({retention}) -> gone", time.monotonic() - started
     )
 
-    support.until(
-        lambda: not support.job_exists(kube_api, namespace, running), f"Job {running} to be removed"
+    wait_for(
+        lambda: not job_exists(kube_api, namespace, running), what=f"Job {running} to be removed"
     )
     restored = template_of(kube_api, namespace)
     assert restored == original["spec"]["template"]
@@ -648,13 +665,13 @@ def test_deleting_the_resource_while_its_job_runs(
         assert set_keys(s3_bucket, served) == []
     else:
         assert set_keys(s3_bucket, served) == stored
-    support.forbid_tracebacks(operator)
+    shm.forbid_tracebacks(operator)
 
 
 def test_a_terminating_namespace_is_no_reason_for_a_traceback(
     kube_api: k8s.ApiClient,
     operator: OperatorProcess,
-    store: support.Store,
+    store: specs.Store,
     engine_switchboard: EngineControl,
 ) -> None:
     """While a namespace is deleted, the objects in it go in no fixed order: here its serialize
@@ -662,12 +679,12 @@ def test_a_terminating_namespace_is_no_reason_for_a_traceback(
     core = k8s.CoreV1Api(kube_api)
     namespace = f"e2e-doomed-{secrets.token_hex(3)}"
     core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=namespace)))
-    support.create_credentials(kube_api, namespace, store.server)
+    specs.create_credentials(kube_api, namespace, store.server)
     engine_switchboard.hold()
-    support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
-    shm.create(kube_api, namespace, "llama", support.spec(store, fresh_prefix()))
-    job = support.job_named(kube_api, namespace, "-serialize-1")["metadata"]["name"]
-    support.until(engine_switchboard.engine_waiting, "the serialize pod to reach the engine")
+    specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    workloads.create_sharded_model(kube_api, namespace, "llama", specs.spec(store, fresh_prefix()))
+    job = job_named(kube_api, namespace, "-serialize-1")["metadata"]["name"]
+    wait_for(engine_switchboard.engine_waiting, what="the serialize pod to reach the engine")
     log_start = len(operator.log())
 
     core.delete_namespace(namespace, propagation_policy="Background")
@@ -676,10 +693,12 @@ def test_a_terminating_namespace_is_no_reason_for_a_traceback(
     def reacted() -> str | None:
         log = operator.log()[log_start:]
         settled = "is terminating" in log or shm.gone(kube_api, namespace, "llama")
-        return log if support.TRACEBACK in log or settled else None
+        return log if shm.TRACEBACK in log or settled else None
 
-    log = support.until(
-        reacted, "the operator to react to the vanished Job, or the namespace to go", timeout=90
+    log = wait_for(
+        reacted,
+        what="the operator to react to the vanished Job, or the namespace to go",
+        timeout=90,
     )
     assert operator.alive()
-    assert support.TRACEBACK not in log, log
+    assert shm.TRACEBACK not in log, log

@@ -15,11 +15,13 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard.contract import reasons
-from tests.e2e import support
+from preshard_devenv import workloads
+from preshard_devenv.operatorprocess import OperatorProcess
+from preshard_devenv.procs import wait_for
 from tests.e2e.engine import EngineControl
-from tests.helm.support import Tool
 from tests.support import shardedmodels as shm
-from tests.support.operator import OperatorProcess
+from tests.support import specs
+from tests.support.tools import Tool
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
 
@@ -36,22 +38,22 @@ def test_a_running_serialization_shows_its_progress(
     kube_api: k8s.ApiClient,
     operator: OperatorProcess,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     engine_switchboard: EngineControl,
     admin_kubectl: Tool,
 ) -> None:
     namespace = workspace
-    support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
     engine_switchboard.hold()
-    shm.create(
-        kube_api, namespace, "llama", support.spec(store, f"progress-{secrets.token_hex(3)}")
+    workloads.create_sharded_model(
+        kube_api, namespace, "llama", specs.spec(store, f"progress-{secrets.token_hex(3)}")
     )
-    support.until(engine_switchboard.engine_waiting, "the serialization to reach the engine")
+    wait_for(engine_switchboard.engine_waiting, what="the serialization to reach the engine")
     # The engine's heartbeat is in the log within seconds; the operator reads it at the next
     # poll (config.progressSeconds, 15 s by default).
-    support.until(
+    wait_for(
         lambda: progress_of(kube_api, namespace) == ENGINE_STEP,
-        "the engine step in status.shardSets[].progress",
+        what="the engine step in status.shardSets[].progress",
         timeout=90,
     )
     table = admin_kubectl.run("get", "shm", "llama", "-n", namespace).stdout
@@ -60,5 +62,5 @@ def test_a_running_serialization_shows_its_progress(
     assert ENGINE_STEP in row
     engine_switchboard.release()
     ready = shm.wait_ready(kube_api, namespace, "llama", operator=operator, timeout=120)
-    assert "progress" not in support.only_set(ready), "a finished Job has no progress"
-    assert (shm.condition(ready, "Ready") or {}).get("reason") == reasons.READY
+    assert "progress" not in shm.only_set(ready), "a finished Job has no progress"
+    assert (workloads.condition(ready, "Ready") or {}).get("reason") == reasons.READY

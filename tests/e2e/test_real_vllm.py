@@ -33,6 +33,7 @@ GPU (vLLM runs on CPU, with the fixes in `operator/preshard_devenv/vllm_cpu/`), 
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 from collections.abc import Iterator
@@ -44,16 +45,20 @@ from kubernetes import client as k8s
 
 from preshard.contract import reasons
 from preshard.contract.layout import S3Location
-from preshard_devenv import engine, procs
+from preshard_devenv import engine, procs, workloads
 from preshard_devenv.nodes import on_node
+from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.podrunner import PodRunner, image_repository
-from tests.e2e import support
+from preshard_devenv.procs import wait_for
+from preshard_devenv.s3server import S3Bucket
+from preshard_devenv.tinymodel import TinyModel, make_tiny_model
 from tests.e2e.engine import EngineControl
-from tests.helm.support import Tool
 from tests.support import shardedmodels as shm
-from tests.support.models import TinyModel, make_tiny_model, upload_model
-from tests.support.operator import OperatorProcess
-from tests.support.s3 import S3Bucket
+from tests.support import specs, timings
+from tests.support.cluster import job_names, job_outcome, pods
+from tests.support.models import upload_model
+from tests.support.serving import container_flags, serving_pod
+from tests.support.tools import Tool, kubectl_apply
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow, pytest.mark.engine]
 
@@ -102,12 +107,12 @@ def baseline(
     server = engine.VllmServer.start(
         str(vllm_model.path),
         Path(tmp_path_factory.mktemp("baseline")),
-        served_model_name=support.SERVED_MODEL,
+        served_model_name=specs.SERVED_MODEL,
         name="vllm-baseline",
     )
     try:
         return {
-            prompt: engine.complete(server.url(""), support.SERVED_MODEL, prompt)
+            prompt: engine.complete(server.url(""), specs.SERVED_MODEL, prompt)
             for prompt in PROMPTS
         }
     finally:
@@ -116,8 +121,8 @@ def baseline(
 
 def vllm_target(name: str, port: int) -> dict[str, Any]:
     """A vLLM container as people write it for CPU: model, port, dtype, context, probe."""
-    return support.vllm_container(
-        args=[support.SERVED_MODEL, "--port", str(port), *engine.VLLM_CPU_ARGS],
+    return specs.vllm_container(
+        args=[specs.SERVED_MODEL, "--port", str(port), *engine.VLLM_CPU_ARGS],
         readinessProbe={"httpGet": {"path": "/health", "port": port}, "periodSeconds": 2},
         terminationMessagePolicy="FallbackToLogsOnError",
         resources={"limits": {"nvidia.com/gpu": "1"}},
@@ -127,7 +132,7 @@ def vllm_target(name: str, port: int) -> dict[str, Any]:
 
 def patched(api: k8s.ApiClient, namespace: str, name: str) -> bool | None:
     """True once the operator has pointed the Deployment at a shard set."""
-    _, load_format, _ = support.container_flags(shm.read_deployment(api, namespace, name))
+    _, load_format, _ = container_flags(shm.read_deployment(api, namespace, name))
     return True if load_format == "tensorizer" else None
 
 
@@ -135,11 +140,11 @@ def wait_pod_ready(api: k8s.ApiClient, namespace: str, deployment: str) -> Any:
     """The patched Deployment's pod once its vLLM answers the readiness probe."""
 
     def ready() -> Any | None:
-        pod = support.serving_pod(api, namespace, deployment)
+        pod = serving_pod(api, namespace, deployment)
         conditions = {c.type: c.status for c in (pod.status.conditions or [])} if pod else {}
         return pod if conditions.get("Ready") == "True" else None
 
-    return support.until(ready, f"the patched {deployment} to serve", timeout=SERVE_TIMEOUT)
+    return wait_for(ready, what=f"the patched {deployment} to serve", timeout=SERVE_TIMEOUT)
 
 
 def tp2_verified(api: k8s.ApiClient, namespace: str, operator: OperatorProcess) -> Any | None:
@@ -154,7 +159,7 @@ def tp2_verified(api: k8s.ApiClient, namespace: str, operator: OperatorProcess) 
 def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
     kube_api: k8s.ApiClient,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     s3_bucket: S3Bucket,
     vllm_model: TinyModel,
     operator: OperatorProcess,
@@ -169,7 +174,7 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
     for tp, port in ports.items():
         # At 0 replicas until patched: the unpatched `vllm serve org/tiny` would only crash-loop
         # (no Hub here) and take CPU from the serialization on this two-core machine.
-        shm.create_deployment(
+        workloads.create_deployment(
             kube_api,
             namespace,
             f"vllm-tp{tp}",
@@ -179,7 +184,7 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
         )
     source = upload_model(vllm_model, s3_bucket.client, s3_bucket.name, "models/tiny-vllm")
     targets = [{"name": f"vllm-tp{tp}", "tensorParallelSize": tp} for tp in ports]
-    body = support.spec(
+    body = specs.spec(
         store,
         f"real-vllm-{secrets.token_hex(3)}",
         model={"uri": source},
@@ -187,8 +192,10 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
         targets=targets[:1],
         serialization={"image": SERIALIZER_IMAGE, "dtype": "float32", "maxModelLen": 256},
     )
-    support.kubectl_apply(admin_kubectl, support.sharded_model("tiny", namespace, body), tmp_path)
-    with support.stopwatch("real vLLM: apply -> TP 1 set serialized"):
+    kubectl_apply(
+        admin_kubectl, workloads.sharded_model("tiny", body, namespace=namespace), tmp_path
+    )
+    with timings.stopwatch("real vLLM: apply -> TP 1 set serialized"):
         serialized = shm.wait_condition(
             kube_api,
             namespace,
@@ -202,19 +209,21 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
 
     # The edit that adds a TP size: its set is made on CPU from the TP 1 set, with no GPU Job.
     edited = {**body, "tensorParallelSizes": [1, 2], "targets": targets}
-    support.kubectl_apply(admin_kubectl, support.sharded_model("tiny", namespace, edited), tmp_path)
-    with support.stopwatch("real vLLM: edit to TP 1 and 2 -> TP 2 set resharded and verified"):
-        resharded = support.until(
+    kubectl_apply(
+        admin_kubectl, workloads.sharded_model("tiny", edited, namespace=namespace), tmp_path
+    )
+    with timings.stopwatch("real vLLM: edit to TP 1 and 2 -> TP 2 set resharded and verified"):
+        resharded = wait_for(
             lambda: tp2_verified(kube_api, namespace, operator),
-            "the TP 2 set to be resharded and verified",
+            what="the TP 2 set to be resharded and verified",
             timeout=SERIALIZE_TIMEOUT,
         )
     sets = {e["tensorParallelSize"]: e for e in resharded["status"]["shardSets"]}
     assert sets[2]["reshardedFrom"] == tp1_set["artifactKey"], sets[2]
     assert sets[2]["message"].startswith(f"resharded on CPU from {tp1_set['artifactKey']}")
     assert (sets[2].get("reshardRun"), sets[2].get("serializeRun", 0)) == (1, 0), sets[2]
-    names = support.job_names(kube_api, namespace)
-    outcomes = {name: support.job_outcome(kube_api, namespace, name)[1] for name in names}
+    names = job_names(kube_api, namespace)
+    outcomes = {name: job_outcome(kube_api, namespace, name)[1] for name in names}
     made = {n: o for n, o in outcomes.items() if "-serialize-" in n or "-reshard-" in n}
     assert sorted((o.command, o.tensor_parallel_size) for o in made.values()) == [
         ("reshard", 2),
@@ -233,12 +242,12 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
         "tensorParallelSize": 1,
     }
 
-    with support.stopwatch("real vLLM: both sets verified -> both patched servers ready"):
+    with timings.stopwatch("real vLLM: both sets verified -> both patched servers ready"):
         apps = k8s.AppsV1Api(kube_api)
         for tp in ports:
-            support.until(
-                lambda name=f"vllm-tp{tp}": patched(kube_api, namespace, name),  # type: ignore[misc]
-                f"vllm-tp{tp} to be patched",
+            wait_for(
+                functools.partial(patched, kube_api, namespace, f"vllm-tp{tp}"),
+                what=f"vllm-tp{tp} to be patched",
                 timeout=SERIALIZE_TIMEOUT,
             )
             apps.patch_namespaced_deployment_scale(
@@ -254,10 +263,10 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
 
     for tp, port in ports.items():
         deployment = shm.read_deployment(kube_api, namespace, f"vllm-tp{tp}")
-        flags_tp, load_format, _ = support.container_flags(deployment)
+        flags_tp, load_format, _ = container_flags(deployment)
         assert (flags_tp, load_format) == (tp, "tensorizer")
         for prompt, expected in baseline.items():
-            answer = engine.complete(f"http://127.0.0.1:{port}", support.SERVED_MODEL, prompt)
+            answer = engine.complete(f"http://127.0.0.1:{port}", specs.SERVED_MODEL, prompt)
             assert answer == expected, (tp, prompt)
 
     # The set under a serving Deployment breaks, so that vLLM itself refuses it: the TP 1 rank
@@ -267,9 +276,9 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
     size = s3_bucket.client.head_object(Bucket=s3_bucket.name, Key=rank_file)["ContentLength"]
     s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=rank_file, Body=bytes(size))
     core = k8s.CoreV1Api(kube_api)
-    for pod in support.pods(kube_api, namespace, "app=vllm-tp1"):
+    for pod in pods(kube_api, namespace, "app=vllm-tp1"):
         core.delete_namespaced_pod(pod.metadata.name, namespace)
-    with support.stopwatch("real vLLM: broken rank file -> TargetUnavailable"):
+    with timings.stopwatch("real vLLM: broken rank file -> TargetUnavailable"):
         failing = shm.wait_condition(
             kube_api,
             namespace,
@@ -290,7 +299,7 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
         ).items
         return next((e.message for e in found if "vllm-tp1" in (e.message or "")), None)
 
-    message = support.until(unavailable_event, "a TargetUnavailable event naming vllm-tp1")
+    message = wait_for(unavailable_event, what="a TargetUnavailable event naming vllm-tp1")
     # The event quotes vLLM's own last words (the pod's termination message from its log).
     assert "Not a tensorizer file" in message or "Engine core" in message, message
-    support.forbid_tracebacks(operator)
+    shm.forbid_tracebacks(operator)

@@ -21,14 +21,21 @@ from kubernetes import client as k8s
 from preshard.builders.jobs import CONTAINER
 from preshard.builders.target import INIT_CONTAINER
 from preshard.contract import reasons
+from preshard_devenv import workloads
 from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.kubeconfig import plain
+from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.podrunner import PodRunner
-from tests.e2e import engine, support
-from tests.helm.conftest import Namespaces
-from tests.helm.support import Release, Tool, ToolError, chart_operator, forbidden_requests
+from preshard_devenv.procs import wait_for
+from tests.e2e import engine
 from tests.support import shardedmodels as shm
-from tests.support.cluster import plain
-from tests.support.operator import OperatorProcess
+from tests.support import specs
+from tests.support.chart import Release, chart_operator, forbidden_requests
+from tests.support.cluster import job_finished, job_names, job_outcome, pods, read_job
+from tests.support.leaks import api_objects, leaks, runner_logs
+from tests.support.namespaces import Namespaces
+from tests.support.serving import container_flags, serving_pod
+from tests.support.tools import Tool, ToolError, kubectl_apply
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
 
@@ -89,26 +96,26 @@ def test_no_secret_value_appears_in_logs_args_status_events_or_annotations(
     kube_api: k8s.ApiClient,
     operator: OperatorProcess,
     workspace: str,
-    store: support.Store,
+    store: specs.Store,
     pod_runner: PodRunner,
 ) -> None:
     namespace = workspace
     hf_token = "hf_" + secrets.token_urlsafe(24)
     key = secrets.token_bytes(32)
-    support.create_secret(kube_api, namespace, HF_SECRET, {"HF_TOKEN": hf_token.encode()})
-    support.create_secret(kube_api, namespace, KEY_SECRET, {"key": key})
+    specs.create_secret(kube_api, namespace, HF_SECRET, {"HF_TOKEN": hf_token.encode()})
+    specs.create_secret(kube_api, namespace, KEY_SECRET, {"key": key})
     watched: dict[str, bytes | str] = {
         "S3 secret key": store.server.credentials.secret_access_key,
         "HF token": hf_token,
         "encryption key": key,
     }
-    support.create_vllm_deployment(kube_api, namespace)
-    support.create_vllm_deployment(kube_api, namespace, "gated", node_kind="auto")
+    specs.create_vllm_deployment(kube_api, namespace)
+    specs.create_vllm_deployment(kube_api, namespace, "gated", node_kind="auto")
     prefix = f"security-{secrets.token_hex(3)}"
-    encrypted = support.spec(
+    encrypted = specs.spec(
         store, prefix, encryption={"secretRef": {"name": KEY_SECRET, "key": "key"}}
     )
-    gated = support.spec(
+    gated = specs.spec(
         store, prefix, targets=[{"name": "gated"}], serialization={"backoffLimit": 0}
     )
     gated["model"] = {
@@ -116,32 +123,32 @@ def test_no_secret_value_appears_in_logs_args_status_events_or_annotations(
         "revision": "main",
         "tokenSecretRef": {"name": HF_SECRET},
     }
-    shm.create(kube_api, namespace, "encrypted", encrypted)
-    shm.create(kube_api, namespace, "gated", gated)
+    workloads.create_sharded_model(kube_api, namespace, "encrypted", encrypted)
+    workloads.create_sharded_model(kube_api, namespace, "gated", gated)
 
     shm.wait_ready(kube_api, namespace, "encrypted", operator=operator)
-    support.until(
-        lambda: support.serving_pod(kube_api, namespace, "vllm"), "the encrypted set to be served"
+    wait_for(
+        lambda: serving_pod(kube_api, namespace, "vllm"), what="the encrypted set to be served"
     )
 
     def gated_serialization() -> str | None:
-        names = support.job_names(kube_api, namespace)
+        names = job_names(kube_api, namespace)
         return next((n for n in names if n.startswith("gated-") and "-serialize-" in n), None)
 
-    first = support.until(gated_serialization, "the gated model's serialization to start")
-    support.until(
-        lambda: support.job_finished(support.read_job(kube_api, namespace, first)) == "Failed",
-        "the gated model's serialization to fail (the Hub is out of reach)",
+    first = wait_for(gated_serialization, what="the gated model's serialization to start")
+    wait_for(
+        lambda: job_finished(read_job(kube_api, namespace, first)) == "Failed",
+        what="the gated model's serialization to fail (the Hub is out of reach)",
     )
-    _, outcome = support.job_outcome(kube_api, namespace, first)
+    _, outcome = job_outcome(kube_api, namespace, first)
     assert outcome.reason == reasons.UNREACHABLE, outcome
-    (pod,) = support.pods(kube_api, namespace, f"job-name={first}")
+    (pod,) = pods(kube_api, namespace, f"job-name={first}")
     env = {e.name: e for e in pod.spec.containers[0].env}
     assert env["HF_TOKEN"].value_from.secret_key_ref.name == HF_SECRET, "the token went in"
 
     texts = {
-        **support.api_objects(kube_api, namespace),
-        **support.runner_logs(pod_runner, namespace),
+        **api_objects(kube_api, namespace),
+        **runner_logs(pod_runner, namespace),
         "operator log": operator.log(),
     }
     assert any("serialize" in where and where.startswith("log ") for where in texts)
@@ -152,18 +159,18 @@ def test_no_secret_value_appears_in_logs_args_status_events_or_annotations(
     assert any("-serialize-" in where for where in logged), sorted(logs)
     assert any(where.endswith(f"/{INIT_CONTAINER}") for where in logged), sorted(logs)
     assert any(line.startswith("{") for line in operator.log().splitlines()), "no JSON log"
-    assert support.leaks(texts, watched) == []
+    assert leaks(texts, watched) == []
     # The scan finds each secret where it does belong: the test's own Secrets.
-    found = support.leaks(secret_texts(kube_api, namespace), watched)
+    found = leaks(secret_texts(kube_api, namespace), watched)
     assert sorted(found) == sorted(
         [
-            f"secret/{support.CREDENTIALS}: S3 secret key",
+            f"secret/{specs.CREDENTIALS}: S3 secret key",
             f"secret/{HF_SECRET}: HF token",
             f"secret/{KEY_SECRET}: encryption key",
         ]
     )
     assert forbidden_requests(operator.log(), *EXPECTED_FORBIDDEN) == []
-    support.forbid_tracebacks(operator)
+    shm.forbid_tracebacks(operator)
 
 
 @pytest.fixture
@@ -182,12 +189,12 @@ def test_nothing_in_another_namespace_can_be_targeted_or_referenced(
     operator: OperatorProcess,
     workspace: str,
     neighbour: str,
-    store: support.Store,
+    store: specs.Store,
     tmp_path: Path,
 ) -> None:
     namespace = workspace
-    theirs = support.create_vllm_deployment(kube_api, neighbour, node_kind="auto")
-    support.create_credentials(kube_api, neighbour, store.server)
+    theirs = specs.create_vllm_deployment(kube_api, neighbour, node_kind="auto")
+    specs.create_credentials(kube_api, neighbour, store.server)
 
     attempts: dict[str, dict[str, Any]] = {
         "spec.targets[0].name": {"targets": [{"name": f"{neighbour}/vllm"}]},
@@ -207,24 +214,24 @@ def test_nothing_in_another_namespace_can_be_targeted_or_referenced(
         },
     }
     for field, change in attempts.items():
-        body = support.sharded_model(
-            "reach", namespace, {**support.spec(store, "shards"), **change}
+        body = workloads.sharded_model(
+            "reach", {**specs.spec(store, "shards"), **change}, namespace=namespace
         )
         with pytest.raises(ToolError) as refused:
-            support.kubectl_apply(admin_kubectl, body, tmp_path)
+            kubectl_apply(admin_kubectl, body, tmp_path)
         assert field in str(refused.value), str(refused.value)
         assert shm.gone(kube_api, namespace, "reach")
 
-    shm.create(kube_api, namespace, "reach", support.spec(store, "shards"))
+    workloads.create_sharded_model(kube_api, namespace, "reach", specs.spec(store, "shards"))
     shm.wait_condition(
         kube_api, namespace, "reach", "Ready", "False", reasons.TARGET_NOT_FOUND, operator=operator
     )
-    support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
     shm.wait_ready(kube_api, namespace, "reach", operator=operator)
     ours = shm.read_deployment(kube_api, namespace, "vllm")
-    assert support.container_flags(ours)[1] == "tensorizer"
+    assert container_flags(ours)[1] == "tensorizer"
     after = shm.read_deployment(kube_api, neighbour, "vllm")
     assert after["metadata"]["generation"] == theirs["metadata"]["generation"]
     assert after["spec"]["template"] == theirs["spec"]["template"]
     assert not [k for k in after["metadata"].get("annotations") or {} if k.startswith("preshard")]
-    assert support.job_names(kube_api, neighbour) == []
+    assert job_names(kube_api, neighbour) == []

@@ -17,14 +17,17 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard.contract import reasons
-from preshard_devenv.s3server import start_s3_server
-from tests.e2e import support
+from preshard_devenv import workloads
+from preshard_devenv.operatorprocess import OperatorProcess
+from preshard_devenv.procs import wait_for
+from preshard_devenv.s3server import S3Bucket, create_bucket, start_s3_server
+from preshard_devenv.tinymodel import TinyModel
 from tests.e2e.engine import EngineControl
 from tests.support import shardedmodels as shm
-from tests.support.cluster import RUNNER_NODE
-from tests.support.models import TinyModel, upload_model
-from tests.support.operator import OperatorProcess
-from tests.support.s3 import S3Bucket, create_bucket
+from tests.support import specs, timings
+from tests.support.cluster import RUNNER_NODE, job_finished, job_named, job_outcome, pods
+from tests.support.models import upload_model
+from tests.support.serving import INIT_CONTAINER, container_flags, serving_pod
 
 pytestmark = [pytest.mark.cluster, pytest.mark.s3, pytest.mark.slow]
 
@@ -46,9 +49,9 @@ def private_bucket(
 
 
 @pytest.fixture
-def private_store(private_bucket: S3Bucket) -> Iterator[support.Store]:
+def private_store(private_bucket: S3Bucket) -> Iterator[specs.Store]:
     """The private server as a store; it is running again after each test."""
-    store = support.Store(
+    store = specs.Store(
         server=private_bucket.server,
         bucket=private_bucket.name,
         model_uri=f"s3://{private_bucket.name}/models/tiny/",
@@ -61,9 +64,9 @@ def private_store(private_bucket: S3Bucket) -> Iterator[support.Store]:
 
 
 @pytest.fixture
-def outage_workspace(kube_api: k8s.ApiClient, namespace: str, private_store: support.Store) -> str:
+def outage_workspace(kube_api: k8s.ApiClient, namespace: str, private_store: specs.Store) -> str:
     """A namespace with the credentials of the private server."""
-    support.create_credentials(kube_api, namespace, private_store.server)
+    specs.create_credentials(kube_api, namespace, private_store.server)
     return namespace
 
 
@@ -91,60 +94,60 @@ def test_the_store_cut_off_during_upload(
     kube_api: k8s.ApiClient,
     operator: OperatorProcess,
     outage_workspace: str,
-    private_store: support.Store,
+    private_store: specs.Store,
     private_bucket: S3Bucket,
     engine_switchboard: EngineControl,
     cordon: Any,
 ) -> None:
     namespace = outage_workspace
-    original = support.create_vllm_deployment(kube_api, namespace, node_kind="auto")
-    body = support.spec(
+    original = specs.create_vllm_deployment(kube_api, namespace, node_kind="auto")
+    body = specs.spec(
         private_store, f"cut-{secrets.token_hex(3)}", serialization={"backoffLimit": 0}
     )
     engine_switchboard.hold()
-    shm.create(kube_api, namespace, "llama", body)
-    support.until(engine_switchboard.engine_waiting, "the model to be downloaded")
+    workloads.create_sharded_model(kube_api, namespace, "llama", body)
+    wait_for(engine_switchboard.engine_waiting, what="the model to be downloaded")
 
     cordon(True)
-    with support.stopwatch("S3 server stop"):
+    with timings.stopwatch("S3 server stop"):
         private_store.server.stop()
     engine_switchboard.release()
     started = time.monotonic()
 
     def cut_off() -> dict[str, Any] | None:
         resource = shm.get(kube_api, namespace, "llama")
-        entry = support.only_set(resource)
+        entry = shm.only_set(resource)
         return entry if entry.get("serializeRun") == 2 else None
 
-    support.until(cut_off, "the cut-off upload to fail and a second run to be planned")
-    failed = support.job_named(kube_api, namespace, "-serialize-1")
-    assert support.job_finished(failed) == "Failed"
-    _, outcome = support.job_outcome(kube_api, namespace, failed["metadata"]["name"])
+    wait_for(cut_off, what="the cut-off upload to fail and a second run to be planned")
+    failed = job_named(kube_api, namespace, "-serialize-1")
+    assert job_finished(failed) == "Failed"
+    _, outcome = job_outcome(kube_api, namespace, failed["metadata"]["name"])
     assert outcome.reason == reasons.UNREACHABLE
-    support.record("S3 server stopped during upload -> Unreachable", time.monotonic() - started)
+    timings.record("S3 server stopped during upload -> Unreachable", time.monotonic() - started)
     assert (
         shm.read_deployment(kube_api, namespace, "vllm")["spec"]["template"]
         == (original["spec"]["template"])
     )
 
-    with support.stopwatch("S3 server restart"):
+    with timings.stopwatch("S3 server restart"):
         private_store.server.restart()
-    entry = support.only_set(shm.get(kube_api, namespace, "llama"))
+    entry = shm.only_set(shm.get(kube_api, namespace, "llama"))
     assert "manifest.json" not in set_objects(private_bucket, entry)
     started = time.monotonic()
     cordon(False)
     resource = shm.wait_ready(kube_api, namespace, "llama", operator=operator)
-    support.record("S3 server back -> second serialization -> Ready", time.monotonic() - started)
-    entry = support.only_set(resource)
+    timings.record("S3 server back -> second serialization -> Ready", time.monotonic() - started)
+    entry = shm.only_set(resource)
     assert (entry["serializeRun"], entry["stage"]) == (2, "Verified")
     assert "manifest.json" in set_objects(private_bucket, entry)
-    support.forbid_tracebacks(operator)
+    shm.forbid_tracebacks(operator)
 
 
 def init_restarts(pod: Any) -> int:
     """How often a pod's fetch-config init container has been restarted."""
     for status in pod.status.init_container_statuses or []:
-        if status.name == support.INIT_CONTAINER:
+        if status.name == INIT_CONTAINER:
             return int(status.restart_count)
     return 0
 
@@ -153,17 +156,17 @@ def test_the_store_down_while_a_set_is_verified_and_loaded(
     kube_api: k8s.ApiClient,
     operator: OperatorProcess,
     outage_workspace: str,
-    private_store: support.Store,
+    private_store: specs.Store,
 ) -> None:
     namespace = outage_workspace
-    support.create_vllm_deployment(kube_api, namespace)
-    body = support.spec(
+    specs.create_vllm_deployment(kube_api, namespace)
+    body = specs.spec(
         private_store, f"down-{secrets.token_hex(3)}", verification={"intervalSeconds": 3}
     )
-    shm.create(kube_api, namespace, "llama", body)
+    workloads.create_sharded_model(kube_api, namespace, "llama", body)
     shm.wait_ready(kube_api, namespace, "llama", operator=operator)
-    serving = support.until(
-        lambda: support.serving_pod(kube_api, namespace, "vllm"), "the patched pod to serve"
+    serving = wait_for(
+        lambda: serving_pod(kube_api, namespace, "vllm"), what="the patched pod to serve"
     )
     patched = shm.read_deployment(kube_api, namespace, "vllm")
 
@@ -177,20 +180,20 @@ def test_the_store_down_while_a_set_is_verified_and_loaded(
     resource = shm.wait_condition(
         kube_api, namespace, "llama", "Degraded", "True", reasons.UNREACHABLE, operator=operator
     )
-    support.record(
+    timings.record(
         "S3 server stopping -> periodic verify reports Unreachable", time.monotonic() - started
     )
-    assert (shm.condition(resource, "Verified") or {})["status"] == "True", "the set is whole"
+    assert (workloads.condition(resource, "Verified") or {})["status"] == "True", "the set is whole"
 
     def failing_init() -> Any | None:
-        for pod in support.pods(kube_api, namespace, "app=vllm"):
+        for pod in pods(kube_api, namespace, "app=vllm"):
             if pod.metadata.name != serving.metadata.name and init_restarts(pod) >= 1:
                 return pod
         return None
 
-    restarting = support.until(failing_init, "fetch-config to fail and be restarted")
+    restarting = wait_for(failing_init, what="fetch-config to fail and be restarted")
     assert restarting.status.phase == "Pending"
-    still_serving = support.serving_pod(kube_api, namespace, "vllm")
+    still_serving = serving_pod(kube_api, namespace, "vllm")
     assert still_serving is not None
     assert still_serving.metadata.name == serving.metadata.name, "the old pod keeps serving"
     # The restarted template is not rolled out, and its pod's fetch-config fails: the target
@@ -199,21 +202,21 @@ def test_the_store_down_while_a_set_is_verified_and_loaded(
         kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_UNAVAILABLE
     )
     (target,) = unavailable["status"]["targets"]
-    assert f"container {support.INIT_CONTAINER}" in target["message"], target["message"]
+    assert f"container {INIT_CONTAINER}" in target["message"], target["message"]
 
     started = time.monotonic()
     private_store.server.restart()
     shm.wait_condition(kube_api, namespace, "llama", "Degraded", "False", operator=operator)
 
     def new_pod_serving() -> Any | None:
-        pod = support.serving_pod(kube_api, namespace, "vllm")
+        pod = serving_pod(kube_api, namespace, "vllm")
         return pod if pod is not None and pod.metadata.name == restarting.metadata.name else None
 
-    support.until(new_pod_serving, "the restarted pod to fetch its config and serve")
-    support.record(
+    wait_for(new_pod_serving, what="the restarted pod to fetch its config and serve")
+    timings.record(
         "S3 server restarting -> verified again and the new pod serving", time.monotonic() - started
     )
     shm.wait_ready(kube_api, namespace, "llama", operator=operator)
     current = shm.read_deployment(kube_api, namespace, "vllm")
-    assert support.container_flags(current) == support.container_flags(patched)
-    support.forbid_tracebacks(operator)
+    assert container_flags(current) == container_flags(patched)
+    shm.forbid_tracebacks(operator)

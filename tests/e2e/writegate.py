@@ -10,10 +10,10 @@ directory is named by `GATE_ENV`; without a hold file nothing waits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +22,8 @@ from typing import Any, Final
 
 from preshard import cli
 from preshard.controller import kube
-from tests.support.operator import OperatorProcess
+from preshard_devenv.operatorprocess import OperatorProcess
+from preshard_devenv.procs import wait_for
 
 GATE_ENV: Final = "PRESHARD_E2E_WRITE_GATE"
 # A held patch goes on after this long, so a test that dies mid-way leaves no operator stuck.
@@ -61,9 +62,13 @@ class WriteGate:
     def wait(self, namespace: str, name: str) -> None:
         """What the gated operator does before patching a Deployment: wait while it is held."""
         hold = self.file(namespace, name, "hold")
-        deadline = time.monotonic() + HOLD_LIMIT_SECONDS
-        while hold.exists() and time.monotonic() < deadline:
-            time.sleep(_POLL_SECONDS)
+        with contextlib.suppress(TimeoutError):
+            wait_for(
+                lambda: not hold.exists(),
+                timeout=HOLD_LIMIT_SECONDS,
+                interval=_POLL_SECONDS,
+                what="the hold to be lifted",
+            )
 
     @contextmanager
     def installed(self, operator: OperatorProcess) -> Iterator[None]:

@@ -15,14 +15,13 @@ import yaml
 import preshard
 from preshard.controller import metrics
 from preshard.settings import ENV_PREFIX, Settings
-from tests.helm.support import (
+from tests.support.chart import (
     CHART,
     CHART_CRD,
     CRD_NAME,
     CRD_SOURCE,
     KUBE_VERSION,
     Manifest,
-    Tool,
     container_env,
     of_kind,
     one,
@@ -31,6 +30,7 @@ from tests.helm.support import (
     template,
     template_error,
 )
+from tests.support.tools import Tool
 
 CUSTOM_VALUES: Final = Path(__file__).parent / "values" / "custom.yaml"
 DASHBOARD: Final = CHART / "dashboards" / "preshard.json"

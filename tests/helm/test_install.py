@@ -26,26 +26,26 @@ import preshard
 from preshard.api import models as models_api
 from preshard.builders.common import LABEL_SHARDEDMODEL
 from preshard_devenv.controlplane import LocalCluster
-from tests.helm.conftest import Namespaces
-from tests.helm.support import (
+from preshard_devenv.operatorprocess import OperatorProcess
+from preshard_devenv.procs import wait_for
+from tests.support import shardedmodels as shm
+from tests.support.chart import (
     CHART,
     CRD_NAME,
     Manifest,
     Release,
-    Tool,
     adopt_crd,
     can_i,
     chart_operator,
     copy_chart,
     create_workload,
-    deployment,
     forbidden_requests,
     get_sharded_model,
     is_ready,
 )
-from tests.support import shardedmodels as shm
-from tests.support.cluster import GPU_NODES, wait_for
-from tests.support.operator import OperatorProcess
+from tests.support.cluster import GPU_NODES
+from tests.support.namespaces import Namespaces
+from tests.support.tools import Tool
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -130,7 +130,7 @@ def upgrade(
         create_workload(kube_api, models, "survivor", target="vllm-survivor", revision="abc123")
         shm.wait_ready(kube_api, models, "survivor", operator=operator)
     before = get_sharded_model(kube_api, models, "survivor")
-    target_before = deployment(kube_api, models, "vllm-survivor")
+    target_before = shm.read_deployment(kube_api, models, "vllm-survivor")
     admin_helm.run(
         "upgrade",
         *release.of(CHART),
@@ -140,7 +140,9 @@ def upgrade(
     after = get_sharded_model(kube_api, models, "survivor")
     assert before is not None
     assert after is not None
-    return Upgrade(before, after, target_before, deployment(kube_api, models, "vllm-survivor"))
+    return Upgrade(
+        before, after, target_before, shm.read_deployment(kube_api, models, "vllm-survivor")
+    )
 
 
 def crd_annotations(api: k8s.ApiClient) -> dict[str, str]:
@@ -237,7 +239,7 @@ def test_chart_rbac_is_enough_to_serve_and_restore_deployments(
         shm.wait_ready(kube_api, models, "qwen", operator=operator)
 
         # The Deployment loads the shard set the way the chart's settings say.
-        patched = deployment(kube_api, models, "vllm")["spec"]["template"]["spec"]
+        patched = shm.read_deployment(kube_api, models, "vllm")["spec"]["template"]["spec"]
         vllm = patched["containers"][0]
         assert vllm["args"][vllm["args"].index("--tensor-parallel-size") + 1] == "2"
         assert vllm["args"][vllm["args"].index("--load-format") + 1] == "tensorizer"
@@ -263,7 +265,7 @@ def test_chart_rbac_is_enough_to_serve_and_restore_deployments(
         survivor = get_sharded_model(kube_api, models, "survivor")
         assert is_ready(survivor)
         assert (
-            deployment(kube_api, models, "vllm-survivor")["metadata"]["generation"]
+            shm.read_deployment(kube_api, models, "vllm-survivor")["metadata"]["generation"]
             == (upgrade.target_after["metadata"]["generation"])
         )
 
@@ -275,7 +277,7 @@ def test_chart_rbac_is_enough_to_serve_and_restore_deployments(
             lambda: get_sharded_model(kube_api, models, "qwen") is None,
             what="ShardedModel qwen to be deleted",
         )
-        restored = deployment(kube_api, models, "vllm")["spec"]["template"]["spec"]
+        restored = shm.read_deployment(kube_api, models, "vllm")["spec"]["template"]["spec"]
         assert restored["containers"][0]["args"] == ["org/model"]
         assert "initContainers" not in restored
     assert forbidden_requests(operator.log(), *EXPECTED_FORBIDDEN) == []

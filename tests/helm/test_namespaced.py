@@ -18,21 +18,21 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard_devenv.controlplane import LocalCluster
-from tests.helm.conftest import Namespaces
-from tests.helm.support import (
+from preshard_devenv.procs import wait_for
+from tests.support import shardedmodels as shm
+from tests.support.chart import (
     CHART,
     CRD_NAME,
     CRD_SOURCE,
     Release,
-    Tool,
     can_i,
     chart_operator,
     create_workload,
     forbidden_requests,
     get_sharded_model,
 )
-from tests.support import shardedmodels as shm
-from tests.support.cluster import wait_for
+from tests.support.namespaces import Namespaces
+from tests.support.tools import Tool
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

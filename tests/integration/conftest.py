@@ -9,7 +9,7 @@ from kubernetes import client as k8s
 
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.demo import install_crd
-from tests.support.operator import OperatorProcess
+from preshard_devenv.operatorprocess import OperatorProcess
 
 # Short back-offs keep retries inside a test's patience.
 OPERATOR_ENV = {

@@ -13,8 +13,9 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard.contract import reasons
+from preshard_devenv import workloads
+from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
-from tests.support.cluster import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -50,7 +51,7 @@ def converged(
 ) -> dict[str, Any] | None:
     resource = shm.get(api, namespace, "llama")
     status = resource.get("status") or {}
-    ready = shm.condition(resource, "Ready") or {}
+    ready = workloads.condition(resource, "Ready") or {}
     if (status.get("observedGeneration"), ready.get("status")) != (generation, "True"):
         return None
     sets = status.get("shardSets") or []
@@ -74,8 +75,8 @@ def _finished(job: dict[str, Any]) -> bool:
 def test_quick_edits_in_any_order_converge_to_the_last_spec(
     kube_api: k8s.ApiClient, namespace: str, seed: int
 ) -> None:
-    shm.create_deployment(kube_api, namespace, "vllm")
-    shm.create(kube_api, namespace, "llama", spec([2], 2))
+    workloads.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec([2], 2))
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
     rng = random.Random(seed)  # noqa: S311 - test data, not secrets
     plan = edits(seed)

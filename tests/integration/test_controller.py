@@ -17,12 +17,13 @@ from kubernetes import client as k8s
 
 from preshard.contract import reasons
 from preshard.contract.outcome import Outcome
-from preshard_devenv import binaries
+from preshard_devenv import binaries, workloads
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.nodes import on_node
+from preshard_devenv.operatorprocess import OperatorProcess
+from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
-from tests.support.cluster import finish_job, wait_for
-from tests.support.operator import OperatorProcess
+from tests.support.cluster import finish_job
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -60,8 +61,8 @@ def job_named(api: k8s.ApiClient, namespace: str, suffix: str) -> dict[str, Any]
 
 
 def test_lifecycle_probe_serialize_verify_patch(kube_api: k8s.ApiClient, namespace: str) -> None:
-    shm.create_deployment(kube_api, namespace, "vllm")
-    shm.create(kube_api, namespace, "llama", manual_spec())
+    workloads.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_sharded_model(kube_api, namespace, "llama", manual_spec())
 
     probe = job_named(kube_api, namespace, "-verify-1")
     container = probe["spec"]["template"]["spec"]["containers"][0]
@@ -130,8 +131,8 @@ def test_lifecycle_probe_serialize_verify_patch(kube_api: k8s.ApiClient, namespa
 def test_hand_edits_are_reasserted_and_deletion_restores(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
-    original = shm.create_deployment(kube_api, namespace, "vllm")
-    shm.create(kube_api, namespace, "llama", spec())
+    original = workloads.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
 
     args = shm.vllm_args(shm.read_deployment(kube_api, namespace, "vllm"))
@@ -168,8 +169,8 @@ def test_hand_edits_are_reasserted_and_deletion_restores(
 def test_changing_tp_switches_after_the_new_set_is_verified(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
-    shm.create_deployment(kube_api, namespace, "vllm")
-    shm.create(kube_api, namespace, "llama", spec())
+    workloads.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
     ready = shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
     (old,) = ready["status"]["shardSets"]
 
@@ -203,9 +204,9 @@ def test_changing_tp_switches_after_the_new_set_is_verified(
 def test_a_missing_target_is_picked_up_when_it_appears(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
-    shm.create(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_NOT_FOUND)
-    shm.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_deployment(kube_api, namespace, "vllm")
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
 
 
@@ -220,11 +221,7 @@ def test_a_missing_target_is_picked_up_when_it_appears(
         ),
         (
             {},
-            {
-                **shm.VLLM_CONTAINER,
-                "command": ["/bin/sh", "-c"],
-                "args": ["vllm serve x | tee log"],
-            },
+            workloads.vllm_container(command=["/bin/sh", "-c"], args=["vllm serve x | tee log"]),
             reasons.UNSUPPORTED_COMMAND,
         ),
         ({"targets": [{"name": "vllm", "container": "nope"}]}, None, reasons.CONTAINER_NOT_FOUND),
@@ -237,18 +234,18 @@ def test_bad_input_becomes_a_condition_and_patches_nothing(
     container: dict[str, Any] | None,
     reason: str,
 ) -> None:
-    original = shm.create_deployment(kube_api, namespace, "vllm", container=container)
-    shm.create(kube_api, namespace, "bad", spec(**changes))
+    original = workloads.create_deployment(kube_api, namespace, "vllm", container=container)
+    workloads.create_sharded_model(kube_api, namespace, "bad", spec(**changes))
     shm.wait_condition(kube_api, namespace, "bad", "Ready", "False", reason)
     current = shm.read_deployment(kube_api, namespace, "vllm")
     assert current["spec"]["template"] == original["spec"]["template"]
 
 
 def test_two_resources_cannot_own_one_deployment(kube_api: k8s.ApiClient, namespace: str) -> None:
-    shm.create_deployment(kube_api, namespace, "vllm")
-    shm.create(kube_api, namespace, "first", spec())
+    workloads.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_sharded_model(kube_api, namespace, "first", spec())
     shm.wait_condition(kube_api, namespace, "first", "Ready", "True", reasons.READY)
-    shm.create(kube_api, namespace, "second", spec(tensorParallelSizes=[4]))
+    workloads.create_sharded_model(kube_api, namespace, "second", spec(tensorParallelSizes=[4]))
     shm.wait_condition(kube_api, namespace, "second", "Ready", "False", reasons.TARGET_CONFLICT)
     args = shm.vllm_args(shm.read_deployment(kube_api, namespace, "vllm"))
     assert shm.flag(args, "--tensor-parallel-size") == "2"
@@ -257,8 +254,8 @@ def test_two_resources_cannot_own_one_deployment(kube_api: k8s.ApiClient, namesp
 def test_restart_picks_up_a_running_job_without_a_second_one(
     kube_api: k8s.ApiClient, namespace: str, running_operator: OperatorProcess
 ) -> None:
-    shm.create_deployment(kube_api, namespace, "vllm")
-    shm.create(kube_api, namespace, "llama", manual_spec())
+    workloads.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_sharded_model(kube_api, namespace, "llama", manual_spec())
     probe = job_named(kube_api, namespace, "-verify-1")
     finish_job(
         kube_api,
@@ -290,8 +287,8 @@ def test_restart_picks_up_a_running_job_without_a_second_one(
 def test_kubectl_shows_ready_reason_and_tp(
     cluster: LocalCluster, kube_api: k8s.ApiClient, namespace: str
 ) -> None:
-    shm.create_deployment(kube_api, namespace, "vllm")
-    shm.create(kube_api, namespace, "llama", spec())
+    workloads.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
     table = subprocess.run(
         [str(binaries.tool_path("kubectl")), "get", "shm", "-n", namespace, "-o", "wide"],

@@ -14,8 +14,9 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard.contract import reasons
+from preshard_devenv import workloads
+from preshard_devenv.kubeconfig import plain
 from tests.support import shardedmodels as shm
-from tests.support.cluster import plain
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -37,22 +38,7 @@ def spec() -> dict[str, Any]:
 
 
 def create_deployment_as_gitops(api: k8s.ApiClient, namespace: str) -> None:
-    body = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "vllm", "namespace": namespace, "labels": {"app": "vllm"}},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": {"app": "vllm"}},
-            "template": {
-                "metadata": {"labels": {"app": "vllm"}},
-                "spec": {"containers": [dict(shm.VLLM_CONTAINER)]},
-            },
-        },
-    }
-    k8s.AppsV1Api(api).create_namespaced_deployment(
-        namespace, k8s.V1Deployment.model_validate(body), field_manager=GITOPS
-    )
+    workloads.create_deployment(api, namespace, field_manager=GITOPS)
 
 
 def entries(obj: dict[str, Any], manager: str) -> list[dict[str, Any]]:
@@ -63,7 +49,7 @@ def test_writes_are_recorded_under_the_field_manager_preshard(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
     create_deployment_as_gitops(kube_api, namespace)
-    shm.create(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
     resource = shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
 
     deployment = shm.read_deployment(kube_api, namespace, "vllm")

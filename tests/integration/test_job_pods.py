@@ -15,9 +15,12 @@ from kubernetes import client as k8s
 
 from preshard.contract import reasons
 from preshard.contract.outcome import Outcome
+from preshard_devenv import workloads
+from preshard_devenv.kubeconfig import plain
 from preshard_devenv.nodes import on_node
+from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
-from tests.support.cluster import finish_job, plain, wait_for
+from tests.support.cluster import finish_job
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -25,10 +28,9 @@ MANUAL: Final = on_node("manual")
 RESTRICTED_POD: dict[str, Any] = {
     "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 }
-RESTRICTED_CONTAINER: dict[str, Any] = {
-    **shm.VLLM_CONTAINER,
-    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-}
+RESTRICTED_CONTAINER = workloads.vllm_container(
+    securityContext={"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+)
 JOB_PODS: dict[str, Any] = {
     "labels": {"kueue.x-k8s.io/queue-name": "gpu-queue"},
     "annotations": {"example.com/team": "inference"},
@@ -87,7 +89,7 @@ def test_every_pod_preshard_creates_passes_the_restricted_standard(
     kube_api: k8s.ApiClient, restricted_namespace: str
 ) -> None:
     namespace = restricted_namespace
-    shm.create_deployment(
+    workloads.create_deployment(
         kube_api, namespace, "vllm", container=RESTRICTED_CONTAINER, pod_spec=RESTRICTED_POD
     )
     # The CPU Jobs (probes, verifications, the reshard) wait on the manual node for the test
@@ -107,7 +109,7 @@ def test_every_pod_preshard_creates_passes_the_restricted_standard(
         "targets": [{"name": "vllm"}],
         "jobPods": JOB_PODS,
     }
-    shm.create(kube_api, namespace, "llama", body)
+    workloads.create_sharded_model(kube_api, namespace, "llama", body)
     for tp in (2, 4):
         key = artifact_key_of(kube_api, namespace, tp)
         finish_job(
@@ -171,7 +173,7 @@ def test_scratch_on_a_claim_is_admitted_and_the_claim_made_with_the_pod(
             "tolerations": MANUAL["tolerations"],
         },
     }
-    shm.create(kube_api, namespace, "llama", body)
+    workloads.create_sharded_model(kube_api, namespace, "llama", body)
     key = artifact_key_of(kube_api, namespace, 2)
     finish_job(kube_api, namespace, job_named(kube_api, namespace, f"{key[:8]}-verify-1"), MISSING)
     serialize = job_named(kube_api, namespace, f"{key[:8]}-serialize-1")

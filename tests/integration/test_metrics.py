@@ -19,13 +19,14 @@ from prometheus_client.parser import text_string_to_metric_families
 import preshard
 from preshard.contract import reasons
 from preshard.contract.outcome import Outcome, exit_code
-from preshard_devenv import procs
+from preshard_devenv import procs, workloads
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.nodes import on_node
+from preshard_devenv.operatorprocess import OperatorProcess
+from preshard_devenv.procs import wait_for
 from tests.integration.conftest import OPERATOR_ENV
 from tests.support import shardedmodels as shm
-from tests.support.cluster import complete_pod, job_pods, wait_for
-from tests.support.operator import OperatorProcess
+from tests.support.cluster import complete_pod, job_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -152,8 +153,8 @@ def test_a_scrape_shows_a_sharded_model_taken_to_ready_and_no_credential(
     before = Scrape(running_operator)
     assert before.value("preshard_build_info", version=preshard.__version__) == 1
     create_secret(kube_api, namespace)
-    shm.create_deployment(kube_api, namespace, "vllm")
-    shm.create(kube_api, namespace, "llama", spec())
+    workloads.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
     shm.wait_ready(kube_api, namespace, "llama", operator=running_operator)
 
     after = wait_moved(running_operator, before, "preshard_time_to_ready_seconds_count", 1)
@@ -185,7 +186,7 @@ def test_each_jobs_result_and_figures_count_once_and_a_deleted_model_leaves_the_
 ) -> None:
     before = Scrape(running_operator)
     placement = {"nodeSelector": MANUAL["nodeSelector"], "tolerations": MANUAL["tolerations"]}
-    shm.create(
+    workloads.create_sharded_model(
         kube_api,
         namespace,
         "qwen",

@@ -11,7 +11,6 @@ including `ProgressDeadlineExceeded` after a short `progressDeadlineSeconds`.
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any, Final
 
@@ -21,8 +20,10 @@ from kubernetes import client as k8s
 from preshard.builders.target import INIT_CONTAINER
 from preshard.contract import reasons
 from preshard.controller.plan import ANNOTATION_RETRY
+from preshard_devenv import workloads
+from preshard_devenv.kubeconfig import plain
+from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
-from tests.support.cluster import plain, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -55,26 +56,12 @@ def create_deployment(
     deadline: int | None = None,
 ) -> dict[str, Any]:
     """A vLLM Deployment on the kwok GPU nodes, available before any ShardedModel exists."""
-    body: dict[str, Any] = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "vllm", "namespace": namespace, "labels": {"app": "vllm"}},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": {"app": "vllm"}},
-            "template": {
-                "metadata": {
-                    "labels": {"app": "vllm"},
-                    "annotations": {CRASH_ANNOTATION: CRASH_MESSAGE} if crash else {},
-                },
-                "spec": {"containers": [copy.deepcopy(shm.VLLM_CONTAINER)]},
-            },
-        },
-    }
-    if deadline is not None:
-        body["spec"]["progressDeadlineSeconds"] = deadline
-    k8s.AppsV1Api(api).create_namespaced_deployment(
-        namespace, k8s.V1Deployment.model_validate(body)
+    workloads.create_deployment(
+        api,
+        namespace,
+        replicas=replicas,
+        pod_annotations={CRASH_ANNOTATION: CRASH_MESSAGE} if crash else None,
+        progress_deadline=deadline,
     )
     return wait_for(
         lambda: complete(shm.read_deployment(api, namespace, "vllm")),
@@ -123,12 +110,12 @@ def test_ready_waits_for_the_rollout_of_the_patched_template(
     # Paused, the Deployment controller takes the patched template but rolls nothing out.
     apps = k8s.AppsV1Api(kube_api)
     apps.patch_namespaced_deployment("vllm", namespace, {"spec": {"paused": True}})
-    shm.create(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
 
     waiting = shm.wait_condition(
         kube_api, namespace, "llama", "Ready", "False", reasons.ROLLING_OUT
     )
-    assert shm.condition(waiting, "TargetsPatched")["status"] == "True"  # type: ignore[index]
+    assert workloads.condition(waiting, "TargetsPatched")["status"] == "True"  # type: ignore[index]
     deployment = shm.read_deployment(kube_api, namespace, "vllm")
     assert patched(deployment)
     assert complete(deployment) is None
@@ -165,7 +152,7 @@ def test_a_crash_looping_patched_pod_turns_the_target_unavailable(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
     create_deployment(kube_api, namespace, crash=True, deadline=6)
-    shm.create(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
 
     failing = shm.wait_condition(
         kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_UNAVAILABLE
@@ -227,7 +214,7 @@ def test_policy_restore_puts_the_original_back_after_the_progress_deadline(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
     original = create_deployment(kube_api, namespace, crash=True, deadline=5)
-    shm.create(kube_api, namespace, "llama", spec(onRolloutFailure="Restore"))
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec(onRolloutFailure="Restore"))
 
     failed = shm.wait_condition(
         kube_api, namespace, "llama", "Ready", "False", reasons.ROLLOUT_FAILED, timeout=90

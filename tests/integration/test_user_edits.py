@@ -10,14 +10,16 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard.contract import reasons
+from preshard_devenv import workloads
+from preshard_devenv.kubeconfig import plain
+from preshard_devenv.procs import wait_for
 from tests.integration.test_controller import spec
 from tests.integration.test_rollout import events
 from tests.support import shardedmodels as shm
-from tests.support.cluster import plain, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
-CONTAINER = {**shm.VLLM_CONTAINER, "args": ["org/model", "--port", "8000", "-tp", "1"]}
+CONTAINER = workloads.vllm_container(extra_args=["-tp", "1"])
 OVERRIDE = "changed in the vLLM command line: replaced -tp 1 with 2 (the shard set's TP size)"
 
 
@@ -29,8 +31,8 @@ def vllm_container(deployment: dict[str, Any]) -> dict[str, Any]:
 def test_restore_keeps_the_users_edits_and_drops_preshards_changes(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
-    original = shm.create_deployment(kube_api, namespace, "vllm", container=CONTAINER)
-    shm.create(kube_api, namespace, "llama", spec())
+    original = workloads.create_deployment(kube_api, namespace, "vllm", container=CONTAINER)
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
     ready = shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
     (target,) = ready["status"]["targets"]
     assert target["message"].endswith("\n" + OVERRIDE)
@@ -88,7 +90,7 @@ def test_a_deployment_another_controller_owns_is_patched_only_when_allowed(
             namespace, k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="owner"))
         ),
     )
-    shm.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_deployment(kube_api, namespace, "vllm")
     k8s.AppsV1Api(kube_api).patch_namespaced_deployment(
         "vllm",
         namespace,
@@ -108,7 +110,7 @@ def test_a_deployment_another_controller_owns_is_patched_only_when_allowed(
     )
     before = shm.read_deployment(kube_api, namespace, "vllm")
 
-    shm.create(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
     refused = shm.wait_condition(
         kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_MANAGED_BY_CONTROLLER
     )

@@ -13,11 +13,12 @@ from kubernetes import client as k8s
 
 from preshard.builders.target import INIT_CONTAINER
 from preshard.contract import reasons
+from preshard_devenv import workloads
+from preshard_devenv.operatorprocess import OperatorProcess
+from preshard_devenv.procs import wait_for
 from tests.integration.conftest import OPERATOR_ENV
 from tests.integration.test_controller import spec
 from tests.support import shardedmodels as shm
-from tests.support.cluster import wait_for
-from tests.support.operator import OperatorProcess
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -41,9 +42,9 @@ def loads_shards(api: k8s.ApiClient, namespace: str, name: str = "vllm") -> dict
 def test_a_server_on_another_vllm_release_is_refused_until_allowed(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
-    container = {**shm.VLLM_CONTAINER, "image": "vllm/vllm-openai:v0.11.0"}
-    before = shm.create_deployment(kube_api, namespace, "vllm", container=container)
-    shm.create(kube_api, namespace, "llama", spec())
+    container = workloads.vllm_container(image="vllm/vllm-openai:v0.11.0")
+    before = workloads.create_deployment(kube_api, namespace, "vllm", container=container)
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
     refused = shm.wait_condition(
         kube_api, namespace, "llama", "Ready", "False", reasons.VLLM_VERSION_MISMATCH
     )
@@ -71,8 +72,8 @@ def test_a_server_on_another_vllm_release_is_refused_until_allowed(
 def test_an_operator_upgrade_does_not_write_patched_deployments(
     kube_api: k8s.ApiClient, namespace: str, running_operator: OperatorProcess
 ) -> None:
-    shm.create_deployment(kube_api, namespace, "vllm")
-    shm.create(
+    workloads.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_sharded_model(
         kube_api, namespace, "llama", spec(targets=[{"name": "vllm"}, {"name": "vllm-late"}])
     )
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_NOT_FOUND)
@@ -84,7 +85,7 @@ def test_an_operator_upgrade_does_not_write_patched_deployments(
     try:
         running_operator.start()
         # The upgraded operator patches a Deployment that appears now with its own image...
-        shm.create_deployment(kube_api, namespace, "vllm-late")
+        workloads.create_deployment(kube_api, namespace, "vllm-late")
         shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
         late = shm.read_deployment(kube_api, namespace, "vllm-late")
         assert init_image(late) == "preshard:next"
@@ -113,8 +114,8 @@ def revert(api: k8s.ApiClient, namespace: str, template: dict[str, Any]) -> None
 def test_a_patch_reverted_again_and_again_is_given_up_until_retried(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
-    original = shm.create_deployment(kube_api, namespace, "vllm")["spec"]["template"]
-    shm.create(kube_api, namespace, "llama", spec())
+    original = workloads.create_deployment(kube_api, namespace, "vllm")["spec"]["template"]
+    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
     generation = 0
     for _ in range(3):
 

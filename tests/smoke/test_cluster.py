@@ -14,6 +14,7 @@ from kubernetes.client.exceptions import ApiException
 from preshard.contract import reasons
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.nodes import on_node
+from preshard_devenv.procs import wait_for
 from tests.support.cluster import (
     GPU_NODES,
     GPU_RESOURCE,
@@ -22,7 +23,6 @@ from tests.support.cluster import (
     complete_pod,
     job_pods,
     termination_message,
-    wait_for,
     wait_for_job,
     wait_for_pod,
 )

@@ -12,11 +12,11 @@ from kubernetes import client as k8s
 from preshard import __version__
 from preshard_devenv.nodes import on_node
 from preshard_devenv.podrunner import PathMap, PodRunner, expand
+from preshard_devenv.procs import wait_for
 from tests.support.cluster import (
     RUNNER_NODE,
     job_pods,
     termination_message,
-    wait_for,
     wait_for_job,
     wait_for_pod,
 )

@@ -10,8 +10,7 @@ import botocore.exceptions
 import pytest
 
 from preshard_devenv import procs
-from preshard_devenv.s3server import start_s3_server
-from tests.support.s3 import S3Bucket, create_bucket
+from preshard_devenv.s3server import S3Bucket, create_bucket, start_s3_server
 
 pytestmark = pytest.mark.s3
 

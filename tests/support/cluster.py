@@ -1,21 +1,23 @@
-"""Helpers tests use to talk to the local cluster: waiting, reading Job pods, faking kubelets."""
+"""Helpers tests use to talk to the local cluster: reading Jobs and their pods, waiting for them to
+finish, and finishing them the way a kubelet would."""
 
 from __future__ import annotations
 
 import datetime
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.contract.outcome import Outcome, exit_code
 from preshard_devenv import nodes
-from preshard_devenv.kubeconfig import api_client
+from preshard_devenv.kubeconfig import api_client, plain
+from preshard_devenv.procs import wait_for
+from tests.support import shardedmodels as shm
 
-T = TypeVar("T")
+Manifest = dict[str, Any]
 
 GPU_NODES = nodes.GPU_NODES
 MANUAL_NODE = nodes.MANUAL_NODE
@@ -33,49 +35,14 @@ def api_for(kubeconfig: Path) -> k8s.ApiClient:
     return api_client(kubeconfig)
 
 
-def wait_for(
-    check: Callable[[], T | None],
-    *,
-    timeout: float = 60.0,
-    interval: float = 0.2,
-    what: str = "the condition",
-) -> T:
-    """Poll `check` until it returns something truthy, and return that.
-
-    The default limit is generous on purpose: on a busy machine (two cores, another test suite
-    beside this one) the control plane takes its time, and a wait that holds returns at once.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
-def plain(api: k8s.ApiClient, obj: object) -> dict[str, Any]:
-    """An API object (a client model or a custom object) as the plain dict the API server sends."""
-    # The client's serializer has no type annotations; for any model or mapping it returns a dict.
-    found = api.sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
-    assert isinstance(found, dict), f"{type(obj).__name__} does not serialize to an object"
-    return found
-
-
 def job_pods(api: k8s.ApiClient, namespace: str, job: str) -> list[Any]:
     """The pods of a Job, oldest first."""
-    pods = k8s.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=f"job-name={job}")
-    return sorted(pods.items, key=lambda p: p.metadata.creation_timestamp)
+    return pods(api, namespace, f"job-name={job}")
 
 
 def job_condition(api: k8s.ApiClient, namespace: str, job: str) -> str | None:
     """`Complete` or `Failed` once the Job has finished, else None."""
-    status = k8s.BatchV1Api(api).read_namespaced_job_status(job, namespace).status
-    for condition in (status.conditions if status else None) or []:
-        if condition.type in ("Complete", "Failed") and condition.status == "True":
-            return str(condition.type)
-    return None
+    return job_finished(read_job(api, namespace, job))
 
 
 def wait_for_job(api: k8s.ApiClient, namespace: str, job: str, *, timeout: float = 60.0) -> str:
@@ -182,3 +149,60 @@ def finish_job(api: k8s.ApiClient, namespace: str, job: dict[str, Any], outcome:
         lambda: next(iter(job_pods(api, namespace, name)), None), what=f"a pod of Job {name}"
     )
     complete_pod(api, pod, 0 if outcome.ok else exit_code(outcome.reason), outcome.to_message())
+
+
+def job_names(api: k8s.ApiClient, namespace: str) -> list[str]:
+    """The names of the namespace's Jobs, sorted."""
+    return [job["metadata"]["name"] for job in shm.jobs(api, namespace)]
+
+
+def job_named(
+    api: k8s.ApiClient, namespace: str, suffix: str, *, timeout: float = 60.0
+) -> Manifest:
+    """Wait for the Job whose name ends with `suffix` (`-serialize-1`)."""
+
+    def find() -> Manifest | None:
+        return next(
+            (j for j in shm.jobs(api, namespace) if j["metadata"]["name"].endswith(suffix)), None
+        )
+
+    return wait_for(find, timeout=timeout, what=f"a Job named *{suffix} in {namespace}")
+
+
+def job_outcome(api: k8s.ApiClient, namespace: str, job: str) -> tuple[Any, Outcome]:
+    """The newest pod of a finished Job and the outcome it reported."""
+    pod = pods(api, namespace, f"job-name={job}")[-1]
+    message = pod.status.container_statuses[0].state.terminated.message
+    outcome = Outcome.from_message(message)
+    assert outcome is not None, message
+    return pod, outcome
+
+
+def job_finished(job: Manifest) -> str | None:
+    """`Complete` or `Failed` once a Job has finished."""
+    for condition in (job.get("status") or {}).get("conditions") or []:
+        if condition["type"] in ("Complete", "Failed") and condition["status"] == "True":
+            return str(condition["type"])
+    return None
+
+
+def pods(api: k8s.ApiClient, namespace: str, selector: str) -> list[Any]:
+    """The pods matching a label selector, oldest first."""
+    found = k8s.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector).items
+    return sorted(found, key=lambda p: (p.metadata.creation_timestamp, p.metadata.name))
+
+
+def job_exists(api: k8s.ApiClient, namespace: str, name: str) -> bool:
+    """Whether a Job exists (being deleted counts as existing)."""
+    try:
+        k8s.BatchV1Api(api).read_namespaced_job(name, namespace)
+    except ApiException as error:
+        if error.status == 404:
+            return False
+        raise
+    return True
+
+
+def read_job(api: k8s.ApiClient, namespace: str, name: str) -> Manifest:
+    """A Job as a plain dict."""
+    return plain(api, k8s.BatchV1Api(api).read_namespaced_job(name, namespace))

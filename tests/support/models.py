@@ -1,7 +1,6 @@
-"""Tiny deterministic models for data-plane tests, and checks of the shards made from them.
+"""Tiny models in S3 for data-plane tests, and checks of the shards made from them.
 
-`make_tiny_model` writes a Llama-shaped model directory (config, tokenizer, generation config,
-safetensors weights of a few MB by default) from a seed; `upload_model` puts it under an S3
+`upload_model` puts a tiny model (`preshard_devenv.tinymodel.make_tiny_model`) under an S3
 prefix as a model source; `assert_shards_match` loads rank files back with tensorizer's
 `TensorDeserializer`, reassembles them the way tensor parallelism cut them and compares every
 tensor exactly with the checkpoint.
@@ -13,42 +12,19 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from preshard.contract.layout import S3Location
 from preshard.contract.outcome import Outcome
-from preshard_devenv.tinymodel import CONFIG_FILES, write_tiny_llama
-from tests.support.engine import cast, load_checkpoint, split_dim
+from preshard_devenv.cpuengine import split_dim
+from preshard_devenv.tinymodel import TinyModel
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
-    from tests.support.s3 import S3Bucket
-
-
-@dataclass(frozen=True)
-class TinyModel:
-    """A model directory written by `make_tiny_model`."""
-
-    path: Path
-    weight_files: tuple[str, ...]
-    config_files: tuple[str, ...]
-
-    @property
-    def weight_bytes(self) -> int:
-        """The size of the safetensors files."""
-        return sum((self.path / name).stat().st_size for name in self.weight_files)
-
-    def tensors(self, dtype: str = "auto") -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors, cast as an engine serving `dtype` would cast them."""
-        return {name: cast(t, dtype) for name, t in load_checkpoint(self.path).items()}
-
-
-def make_tiny_model(directory: Path, **shape: Any) -> TinyModel:
-    """Write a deterministic Llama-shaped model into `directory` (see `write_tiny_llama`)."""
-    return TinyModel(directory, write_tiny_llama(directory, **shape), CONFIG_FILES)
+    from preshard_devenv.s3server import S3Bucket
 
 
 def upload_model(model: TinyModel, client: S3Client, bucket: str, prefix: str) -> str:

@@ -1,31 +1,26 @@
-"""Helpers for tests that drive ShardedModels through the real API server."""
+"""Helpers for tests that drive ShardedModels through the real API server (they are created
+with `preshard_devenv.workloads`): reading, editing and deleting them, waiting on their
+conditions with the operator watched, and the checks every test makes of them."""
 
 from __future__ import annotations
 
-import copy
 import json
-from typing import Any
+import re
+from typing import Any, Final
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
-from tests.support.cluster import plain, wait_for
-from tests.support.operator import OperatorProcess
+from preshard.contract import reasons
+from preshard_devenv.kubeconfig import plain
+from preshard_devenv.operatorprocess import OperatorProcess
+from preshard_devenv.procs import wait_for
+from preshard_devenv.workloads import condition
 
+Manifest = dict[str, Any]
 
-def create(api: k8s.ApiClient, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Create a ShardedModel."""
-    body = {
-        "apiVersion": f"{models.GROUP}/{models.VERSION}",
-        "kind": models.KIND,
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": spec,
-    }
-    created = k8s.CustomObjectsApi(api).create_namespaced_custom_object(
-        models.GROUP, models.VERSION, namespace, models.PLURAL, body
-    )
-    return plain(api, created)
+TRACEBACK: Final = "Traceback (most recent call last)"
 
 
 def get(api: k8s.ApiClient, namespace: str, name: str) -> dict[str, Any]:
@@ -65,15 +60,6 @@ def gone(api: k8s.ApiClient, namespace: str, name: str) -> bool:
             return True
         raise
     return False
-
-
-def condition(resource: dict[str, Any], type_: str) -> dict[str, Any] | None:
-    """One condition of a ShardedModel's status."""
-    for item in (resource.get("status") or {}).get("conditions") or []:
-        if item.get("type") == type_:
-            found: dict[str, Any] = item
-            return found
-    return None
 
 
 def wait_condition(
@@ -129,53 +115,6 @@ def wait_ready(
     return wait_condition(api, namespace, name, "Ready", "True", operator=operator, timeout=timeout)
 
 
-VLLM_CONTAINER: dict[str, Any] = {
-    "name": "vllm",
-    "image": "vllm/vllm-openai:v0.34.0",
-    "command": ["vllm", "serve"],
-    "args": ["org/model", "--port", "8000"],
-    "resources": {"limits": {"nvidia.com/gpu": "1"}},
-}
-
-
-def create_deployment(
-    api: k8s.ApiClient,
-    namespace: str,
-    name: str,
-    *,
-    container: dict[str, Any] | None = None,
-    labels: dict[str, str] | None = None,
-    pod_spec: dict[str, Any] | None = None,
-    replicas: int = 1,
-) -> dict[str, Any]:
-    """A vLLM-style Deployment (pods go to the kwok GPU nodes unless `pod_spec` says else)."""
-    selector = {"app": name}
-    body = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {**selector, **(labels or {})},
-        },
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": selector},
-            "template": {
-                "metadata": {"labels": selector},
-                "spec": {
-                    "containers": [copy.deepcopy(container or VLLM_CONTAINER)],
-                    **(pod_spec or {}),
-                },
-            },
-        },
-    }
-    created = k8s.AppsV1Api(api).create_namespaced_deployment(
-        namespace, k8s.V1Deployment.model_validate(body)
-    )
-    return plain(api, created)
-
-
 def read_deployment(api: k8s.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     """A Deployment as a dict."""
     return plain(api, k8s.AppsV1Api(api).read_namespaced_deployment(name, namespace))
@@ -202,3 +141,28 @@ def jobs(api: k8s.ApiClient, namespace: str) -> list[dict[str, Any]]:
         (plain(api, item) for item in items),
         key=lambda j: str(j["metadata"]["name"]),
     )
+
+
+def only_set(resource: Manifest) -> Manifest:
+    """The one shard set entry of a ShardedModel's status."""
+    (entry,) = resource["status"]["shardSets"]
+    found: Manifest = entry
+    return found
+
+
+def forbid_tracebacks(operator: OperatorProcess) -> None:
+    """Fail when the operator is down or has logged a traceback."""
+    assert operator.alive(), f"the operator exited:\n{operator.log_tail()}"
+    log = operator.log()
+    at = log.find(TRACEBACK)
+    assert at < 0, log[max(0, at - 2000) : at + 4000]
+
+
+def is_camel_case(reason: str) -> bool:
+    """Whether a condition reason follows the API conventions (`TPExceedsGPUs` counts)."""
+    return re.fullmatch(r"[A-Z][A-Za-z0-9]*", reason) is not None
+
+
+KNOWN_REASONS: Final = frozenset(
+    value for name, value in vars(reasons).items() if name.isupper() and isinstance(value, str)
+)

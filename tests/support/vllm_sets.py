@@ -13,10 +13,9 @@ from typing import Final
 
 from preshard.contract.layout import S3Location
 from preshard_devenv import engine
-from preshard_devenv.s3server import S3Server
+from preshard_devenv.s3server import S3Bucket, S3Server
 from tests.support.commands import pod_env, run_preshard
 from tests.support.models import StoredSet, fetch_set
-from tests.support.s3 import S3Bucket
 
 # vLLM's CPU workers bind to the cores; TP 4 on two cores puts two workers on each.
 OMP_BIND: Final = {1: "0|1", 2: "0|1", 4: "0|1|0|1"}

@@ -38,6 +38,7 @@ from preshard.controller.reconciler import (
     observed_for,
 )
 from preshard.settings import Settings, SettingsError
+from preshard_devenv import workloads
 
 NAMESPACE = "models"
 NAME = "llama"
@@ -330,38 +331,12 @@ def test_first_ready_is_a_ready_false_since_the_first_status(
 
 
 def deployment() -> Manifest:
-    labels = {"app": "vllm"}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {
-            "name": "vllm",
-            "namespace": NAMESPACE,
-            "uid": "uid-d",
-            "resourceVersion": "1",
-            "generation": 1,
-            "labels": labels,
-        },
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "vllm",
-                            "image": "vllm/vllm-openai:v0.34.0",
-                            "command": ["vllm", "serve"],
-                            "args": ["org/model"],
-                            "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                        }
-                    ]
-                },
-            },
-        },
-        "status": {"observedGeneration": 1},
-    }
+    manifest = workloads.vllm_deployment(
+        namespace=NAMESPACE, container=workloads.vllm_container(port=None)
+    )
+    manifest["metadata"].update(uid="uid-d", resourceVersion="1", generation=1)
+    manifest["status"] = {"observedGeneration": 1}
+    return manifest
 
 
 def apply_json_patch(document: Manifest, ops: list[Manifest]) -> Manifest:

@@ -30,6 +30,7 @@ from preshard.builders.target import (
 )
 from preshard.contract.layout import S3Location
 from preshard.settings import Settings
+from preshard_devenv import workloads
 
 OWNER = Owner(name="llama", namespace="models", uid="1234")
 SETTINGS = Settings(serializer_image="serializer:1", tools_image="tools:1")
@@ -92,29 +93,20 @@ def target_input(raw: dict[str, Any]) -> TargetInput:
 
 
 def deployment(env: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    container: dict[str, Any] = {
-        "name": "vllm",
-        "image": "vllm/vllm-openai:v0.34.0",
-        "command": ["vllm", "serve"],
-        "args": ["meta-llama/Llama-3.1-8B-Instruct"],
-        "resources": {"limits": {"nvidia.com/gpu": "1"}},
-        "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
-    }
+    container = workloads.vllm_container(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        port=None,
+        volumeMounts=[{"name": "cache", "mountPath": "/cache"}],
+    )
     if env is not None:
         container["env"] = env
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "vllm", "namespace": "models", "generation": 1},
-        "spec": {
-            "template": {
-                "spec": {
-                    "containers": [container],
-                    "volumes": [{"name": "cache", "emptyDir": {}}],
-                }
-            }
-        },
-    }
+    manifest = workloads.vllm_deployment(
+        namespace="models",
+        container=container,
+        pod_spec={"volumes": [{"name": "cache", "emptyDir": {}}]},
+    )
+    manifest["metadata"]["generation"] = 1
+    return manifest
 
 
 def pod_spec(manifest: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The layout math of `preshard reshard`: copy plans against vLLM's own cuts, on tiny tensors.
 
-`tests.support.vllm_layout` states vLLM's weight loaders independently; every plan from TP N
+`preshard_devenv.vllm_layout` states vLLM's weight loaders independently; every plan from TP N
 to TP M must turn vLLM's TP N pieces into exactly vLLM's TP M pieces.
 """
 
@@ -24,7 +24,7 @@ from preshard.dataplane.tp_layout import (
     pad_vocab_size,
     replica_checks,
 )
-from tests.support.vllm_layout import merged_rank, qkv_rank, row_rank, vocab_rank
+from preshard_devenv.vllm_layout import merged_rank, qkv_rank, row_rank, vocab_rank
 
 HIDDEN = 8
 HEAD_DIM = 4

@@ -23,7 +23,7 @@ from preshard.dataplane.engine import EngineRequest
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.vllm_engine import VllmEngine, build_engine_kwargs, build_tensorizer_kwargs
 from preshard.dataplane.vllm_worker import SkipExtraArtifacts
-from tests.support.models import make_tiny_model
+from preshard_devenv.tinymodel import make_tiny_model
 
 TP_SIZES = (1, 2, 4)
 

@@ -23,6 +23,7 @@ from preshard.api.models import Storage, parse_spec
 from preshard.builders.common import Owner, ShardSet, s3_endpoint_url
 from preshard.builders.target import TargetInput, build_patched_deployment
 from preshard.settings import Settings
+from preshard_devenv import workloads
 
 pytestmark = [
     pytest.mark.slow,
@@ -95,25 +96,12 @@ def patched_container(storage: dict[str, Any]) -> dict[str, Any]:
         settings=Settings(),
         container=None,
     )
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "vllm", "namespace": "ns", "generation": 1},
-        "spec": {
-            "template": {
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "vllm",
-                            "image": "vllm/vllm-openai:v0.34.0",
-                            "args": ["meta-llama/Llama-3.1-8B-Instruct"],
-                            "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                        }
-                    ]
-                }
-            }
-        },
-    }
+    # The stock image's entrypoint serves: the container sets only the args.
+    args_only = workloads.vllm_container(
+        "meta-llama/Llama-3.1-8B-Instruct", command=None, port=None
+    )
+    deployment = workloads.vllm_deployment(namespace="ns", container=args_only)
+    deployment["metadata"]["generation"] = 1
     patched = build_patched_deployment(deployment, target)
     assert isinstance(patched, dict)
     container: dict[str, Any] = patched["spec"]["template"]["spec"]["containers"][0]

@@ -1,4 +1,5 @@
-"""A CPU engine for tests: real tensorizer rank files from a tiny model, without vLLM or a GPU.
+"""A CPU engine for tests and benchmarks: real tensorizer rank files from a tiny model,
+without vLLM or a GPU.
 
 It stands in for vLLM's `tensorize_vllm_model` (which needs N GPUs) behind the same seam. Each
 rank gets the slice of every weight that tensor parallelism would give it: column-parallel
@@ -6,7 +7,7 @@ and vocabulary-parallel weights split on dim 0, row-parallel weights on dim 1, e
 (norms) replicated. Encryption uses the key file exactly as vLLM does: the raw 32-byte key
 becomes `EncryptionParams(key=...)` for every rank.
 
-Select it with `PRESHARD_ENGINE=tests.support.engine:CpuTestEngine`.
+Select it with `PRESHARD_ENGINE=preshard_devenv.cpuengine:CpuTestEngine`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from preshard.dataplane.engine import EngineRequest, EngineVersions
 
-SPEC: Final = "tests.support.engine:CpuTestEngine"
+SPEC: Final = "preshard_devenv.cpuengine:CpuTestEngine"
 VLLM_VERSION: Final = "cpu-test"
 
 # Llama-style module names by how tensor parallelism cuts their weights.

@@ -1,8 +1,8 @@
 """Run the real operator (`preshard run`) as a child process, as production runs it.
 
-Tests start it with a kubeconfig (the admin's, or a ServiceAccount's to prove RBAC), with the
-args and environment the Helm chart gives it or plain defaults, stop it, kill it mid-work and
-start it again. Its log goes to a file the test can read and scan.
+Tests and benchmarks start it with a kubeconfig (the admin's, or a ServiceAccount's to prove
+RBAC), with the args and environment the Helm chart gives it or plain defaults, stop it, kill
+it mid-work and start it again. Its log goes to a file they can read and scan.
 """
 
 from __future__ import annotations

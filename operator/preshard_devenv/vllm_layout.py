@@ -1,5 +1,5 @@
 """What vLLM's weight loaders give each tensor-parallel rank, and rank files laid out as
-vLLM's `serialize_vllm_model` writes them, for tests without vLLM.
+vLLM's `serialize_vllm_model` writes them, for tests and benchmarks without vLLM.
 
 The cuts are written from vLLM's own loaders (`model_executor/layers/linear.py`:
 `QKVParallelLinear.weight_loader`, `MergedColumnParallelLinear.weight_loader`,
@@ -24,6 +24,13 @@ PARAM: Final = 0
 BUFFER: Final = 1
 
 
+def _split(size: int, tp: int, what: str) -> int:
+    """`size / tp`, which must divide."""
+    if size % tp:
+        raise ValueError(f"{size} ({what}) does not split {tp} ways")
+    return size // tp
+
+
 def qkv_rank(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -36,14 +43,11 @@ def qkv_rank(
     tp: int,
 ) -> torch.Tensor:
     """Rank `rank`'s fused `qkv_proj` (weight or bias): vLLM's per-shard loader for q, k, v."""
-    assert heads % tp == 0
-    num_heads = heads // tp
+    num_heads = _split(heads, tp, "heads")
     if tp >= kv_heads:
-        assert tp % kv_heads == 0
-        num_kv_heads, replicas = 1, tp // kv_heads
+        num_kv_heads, replicas = 1, _split(tp, kv_heads, "the TP size, by KV heads")
     else:
-        assert kv_heads % tp == 0
-        num_kv_heads, replicas = kv_heads // tp, 1
+        num_kv_heads, replicas = _split(kv_heads, tp, "KV heads"), 1
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     shard_rank = rank // replicas
     return torch.cat(
@@ -59,16 +63,14 @@ def merged_rank(parts: Sequence[torch.Tensor], *, rank: int, tp: int) -> torch.T
     """Rank `rank`'s `gate_up_proj`: each part's rows `rank * n / tp` onwards, in order."""
     pieces = []
     for part in parts:
-        assert part.shape[0] % tp == 0
-        size = part.shape[0] // tp
+        size = _split(part.shape[0], tp, "a merged part's rows")
         pieces.append(part.narrow(0, rank * size, size))
     return torch.cat(pieces)
 
 
 def row_rank(weight: torch.Tensor, *, rank: int, tp: int) -> torch.Tensor:
     """Rank `rank`'s row-parallel weight (`o_proj`, `down_proj`): its input columns."""
-    assert weight.shape[1] % tp == 0
-    size = weight.shape[1] // tp
+    size = _split(weight.shape[1], tp, "a row-parallel weight's columns")
     return weight.narrow(1, rank * size, size).contiguous()
 
 
@@ -77,8 +79,7 @@ def vocab_rank(weight: torch.Tensor, *, rank: int, tp: int) -> torch.Tensor:
     rows past the real vocabulary zero."""
     vocab = weight.shape[0]
     padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
-    assert padded % tp == 0
-    per_rank = padded // tp
+    per_rank = _split(padded, tp, "the padded vocabulary")
     start, end = min(rank * per_rank, vocab), min((rank + 1) * per_rank, vocab)
     shard = torch.zeros((per_rank, *weight.shape[1:]), dtype=weight.dtype)
     shard[: end - start] = weight[start:end]

@@ -1,11 +1,9 @@
-"""What the chart's tests share: helm and kubectl runners, rendered-manifest lookups, and the
-operator started exactly the way the chart's Deployment starts it."""
+"""The Helm chart under test: its renders and the lookups in them, its releases, the operator
+started exactly the way the chart's Deployment starts it, and what its RBAC allows."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +14,11 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from preshard.api import models
-from preshard_devenv import procs
-from tests.support.cluster import plain
-from tests.support.operator import OperatorProcess
+from preshard_devenv import procs, workloads
+from preshard_devenv.operatorprocess import OperatorProcess
+from preshard_devenv.workloads import MODEL_ID, vllm_container
+from tests.support.shardedmodels import read_deployment
+from tests.support.tools import Tool
 
 ROOT: Final = Path(__file__).resolve().parents[2]
 CHART: Final = ROOT / "charts" / "preshard"
@@ -29,64 +29,10 @@ CRD_NAME: Final = "shardedmodels.preshard.dev"
 KUBE_VERSION: Final = "1.31.0"
 LIVENESS_FLAG: Final = "--liveness="
 METRICS_PORT_ENV: Final = "PRESHARD_METRICS_PORT"
-SECURE_NAMESPACE_LABELS: Final = {
-    "pod-security.kubernetes.io/enforce": "restricted",
-    "pod-security.kubernetes.io/enforce-version": "latest",
-}
 
 CREDENTIALS_SECRET: Final = "s3-credentials"
-MODEL_ID: Final = "org/model"
 
 Manifest = dict[str, Any]
-
-
-class ToolError(AssertionError):
-    """A helm or kubectl command failed; the message has its stderr."""
-
-
-@dataclass(frozen=True)
-class Tool:
-    """A command-line tool run with a clean environment of its own (no user configuration)."""
-
-    binary: Path
-    home: Path
-    kubeconfig: Path | None = None
-
-    def env(self) -> dict[str, str]:
-        """The environment of every run: PATH, a private HOME and Helm directories, KUBECONFIG."""
-        env = {
-            "PATH": os.environ.get("PATH", ""),
-            "HOME": str(self.home),
-            "HELM_CACHE_HOME": str(self.home / "cache"),
-            "HELM_CONFIG_HOME": str(self.home / "config"),
-            "HELM_DATA_HOME": str(self.home / "data"),
-        }
-        if self.kubeconfig is not None:
-            env["KUBECONFIG"] = str(self.kubeconfig)
-        return env
-
-    def as_user(self, kubeconfig: Path) -> Tool:
-        """The same tool acting with another kubeconfig."""
-        return Tool(self.binary, self.home, kubeconfig)
-
-    def run(
-        self, *args: str, check: bool = True, timeout: float = 120.0
-    ) -> subprocess.CompletedProcess[str]:
-        """Run the tool; with `check`, a non-zero exit raises `ToolError` with its stderr."""
-        result = subprocess.run(
-            [str(self.binary), *args],
-            env=self.env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if check and result.returncode != 0:
-            raise ToolError(
-                f"{self.binary.name} {' '.join(args[:2])} exited with {result.returncode}:\n"
-                f"{result.stderr.strip()}"
-            )
-        return result
 
 
 def template(
@@ -216,7 +162,7 @@ class Release:
 
     def deployment(self, api: k8s.ApiClient) -> Manifest:
         """The operator's Deployment as the API server stores it."""
-        return deployment(api, self.namespace, self.name)
+        return read_deployment(api, self.namespace, self.name)
 
 
 def adopt_crd(api: k8s.ApiClient, release: Release) -> None:
@@ -246,58 +192,12 @@ def adopt_crd(api: k8s.ApiClient, release: Release) -> None:
     )
 
 
-def vllm_deployment(name: str) -> Manifest:
-    """A vLLM Deployment as users write them: `vllm serve <model>`, one replica on one GPU."""
-    labels = {"app": name}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "vllm",
-                            "image": "vllm/vllm-openai:v0.34.0",
-                            "command": ["vllm", "serve"],
-                            "args": [MODEL_ID],
-                            "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                        }
-                    ]
-                },
-            },
-        },
-    }
-
-
-def sharded_model(name: str, *, target: str, revision: str) -> Manifest:
-    """A ShardedModel of one TP-2 shard set for one target Deployment."""
-    return {
-        "apiVersion": f"{models.GROUP}/{models.VERSION}",
-        "kind": models.KIND,
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"id": MODEL_ID, "revision": revision},
-            "storage": {
-                "uri": "s3://models/shards",
-                "endpoint": "https://s3.example.com",
-                "credentialsSecretRef": {"name": CREDENTIALS_SECRET},
-            },
-            "tensorParallelSizes": [2],
-            "targets": [{"name": target}],
-        },
-    }
-
-
 def create_workload(
     api: k8s.ApiClient, namespace: str, name: str, *, target: str, revision: str
 ) -> None:
-    """Create a target Deployment and its ShardedModel (and the credentials Secret the Jobs and
-    the patched pods reference; nothing here reads it)."""
+    """Create a target Deployment (`vllm serve <model>`, one replica on one GPU) and its
+    ShardedModel of one TP-2 shard set (and the credentials Secret the Jobs and the patched pods
+    reference; nothing here reads it)."""
     core = k8s.CoreV1Api(api)
     try:
         core.create_namespaced_secret(
@@ -313,16 +213,18 @@ def create_workload(
     except ApiException as error:
         if error.status != 409:
             raise
-    k8s.AppsV1Api(api).create_namespaced_deployment(
-        namespace, k8s.V1Deployment.model_validate(vllm_deployment(target))
-    )
-    k8s.CustomObjectsApi(api).create_namespaced_custom_object(
-        models.GROUP,
-        models.VERSION,
-        namespace,
-        models.PLURAL,
-        sharded_model(name, target=target, revision=revision),
-    )
+    workloads.create_deployment(api, namespace, target, container=vllm_container(port=None))
+    spec = {
+        "model": {"id": MODEL_ID, "revision": revision},
+        "storage": {
+            "uri": "s3://models/shards",
+            "endpoint": "https://s3.example.com",
+            "credentialsSecretRef": {"name": CREDENTIALS_SECRET},
+        },
+        "tensorParallelSizes": [2],
+        "targets": [{"name": target}],
+    }
+    workloads.create_sharded_model(api, namespace, name, spec)
 
 
 def get_sharded_model(api: k8s.ApiClient, namespace: str, name: str) -> Manifest | None:
@@ -342,11 +244,6 @@ def is_ready(resource: Manifest | None) -> bool:
     """Whether a ShardedModel's Ready condition is True."""
     conditions = ((resource or {}).get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-
-def deployment(api: k8s.ApiClient, namespace: str, name: str) -> Manifest:
-    """A Deployment as the plain dict the API server sends."""
-    return plain(api, k8s.AppsV1Api(api).read_namespaced_deployment(name, namespace))
 
 
 def forbidden_requests(log: str, *expected: str) -> list[str]:
