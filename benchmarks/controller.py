@@ -66,8 +66,8 @@ from kubernetes.client.exceptions import ApiException
 from benchmarks import common
 from preshard.api import models
 from preshard.builders import jobs
-from preshard.builders.common import Owner, ShardSet
 from preshard.builders.identity import artifact_key
+from preshard.builders.shardset import Owner, ShardSet
 from preshard.settings import Settings
 from preshard_devenv import nodes, procs, workloads
 from preshard_devenv.controlplane import LocalCluster

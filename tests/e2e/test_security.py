@@ -19,7 +19,7 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard.builders.jobs import CONTAINER
-from preshard.builders.target import INIT_CONTAINER
+from preshard.builders.patching import INIT_CONTAINER
 from preshard.contract import reasons
 from preshard_devenv import workloads
 from preshard_devenv.controlplane import LocalCluster

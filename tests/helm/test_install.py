@@ -24,7 +24,7 @@ from kubernetes.client.exceptions import ApiException
 
 import preshard
 from preshard.api import models as models_api
-from preshard.builders.common import LABEL_SHARDEDMODEL
+from preshard.builders.shardset import LABEL_SHARDEDMODEL
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.procs import wait_for

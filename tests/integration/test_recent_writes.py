@@ -17,8 +17,7 @@ import pytest
 from kubernetes import client as k8s
 
 from preshard.api.status import ShardedModelStatus
-from preshard.builders import target
-from preshard.builders.common import Manifest
+from preshard.builders import Manifest, patching
 from preshard.controller import kube
 from preshard.controller.plan import DeploymentPatch, Event, Plan
 from preshard.controller.reconciler import RECENT_WRITE_SECONDS, Reconciler, object_log
@@ -70,8 +69,8 @@ def _patch_plan(seen: Manifest, value: str) -> Plan:
         patches=[
             DeploymentPatch(
                 name="vllm",
-                patch=target.deployment_patch(seen, desired),
-                planned_from=target.identity_of(seen),
+                patch=patching.deployment_patch(seen, desired),
+                planned_from=patching.identity_of(seen),
             )
         ],
         events=[Event("Normal", "Patched", "Deployment vllm: loads the shards", "vllm")],

@@ -17,7 +17,7 @@ from typing import Any, Final
 import pytest
 from kubernetes import client as k8s
 
-from preshard.builders.target import INIT_CONTAINER
+from preshard.builders.patching import INIT_CONTAINER
 from preshard.contract import reasons
 from preshard.controller.plan import ANNOTATION_RETRY
 from preshard_devenv import workloads

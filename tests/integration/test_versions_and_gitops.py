@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from preshard.builders.target import INIT_CONTAINER
+from preshard.builders.patching import INIT_CONTAINER
 from preshard.contract import reasons
 from preshard_devenv import workloads
 from preshard_devenv.operatorprocess import OperatorProcess

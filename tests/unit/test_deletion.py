@@ -8,7 +8,7 @@ import pytest
 
 from preshard.api.models import parse_spec
 from preshard.api.status import ShardedModelStatus, ShardSetStatus
-from preshard.builders.common import Owner, ShardSet, child_name
+from preshard.builders.shardset import Owner, ShardSet, child_name
 from preshard.controller.observe import JobView
 from preshard.controller.plan.deletion import plan_deletion
 from preshard.settings import Settings

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from preshard.api.models import InvalidSpecError, parse_spec
-from preshard.builders.common import Owner, ShardSet, child_name
 from preshard.builders.jobs import (
     JobInput,
     build_delete_job,
@@ -17,6 +16,7 @@ from preshard.builders.jobs import (
     build_verify_job,
     coerce_engine_arg,
 )
+from preshard.builders.shardset import Owner, ShardSet, child_name
 from preshard.settings import Settings
 
 OWNER = Owner(name="llama", namespace="models", uid="1234")

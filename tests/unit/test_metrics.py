@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from preshard.api.status import Condition, ShardedModelStatus
-from preshard.builders.common import LABEL_COMMAND, Manifest
+from preshard.builders import Manifest
+from preshard.builders.shardset import LABEL_COMMAND
 from preshard.contract import reasons
 from preshard.contract.outcome import Outcome, exit_code
 from preshard.controller import conditions, kube, metrics

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from preshard.api.models import InvalidSpecError, parse_spec
-from preshard.builders.common import Owner, ShardSet, s3_args, s3_env
 from preshard.builders.jobs import (
     JobInput,
     build_delete_job,
@@ -22,12 +21,14 @@ from preshard.builders.jobs import (
     build_serialize_job,
     build_verify_job,
 )
-from preshard.builders.target import (
+from preshard.builders.patching import (
     TargetInput,
     build_patched_deployment,
     build_restored_deployment,
     managed_view,
 )
+from preshard.builders.pods import s3_args, s3_env
+from preshard.builders.shardset import Owner, ShardSet
 from preshard.contract.layout import S3Location
 from preshard.settings import Settings
 from preshard_devenv import workloads

@@ -18,7 +18,7 @@ import kopf
 import pytest
 
 from preshard.api.status import ShardedModelStatus
-from preshard.builders.common import Manifest
+from preshard.builders import Manifest
 from preshard.controller import kube
 from preshard.controller.cli import configure_logging
 from preshard.controller.plan import DeploymentPatch, Plan

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from preshard.builders.target import (
+from preshard.builders.patching import (
     PatchedDeployment,
     Refusal,
     TargetInput,
@@ -25,7 +25,7 @@ from preshard.builders.vllm_args import (
     rewrite_vllm_command,
 )
 from preshard.contract import reasons
-from tests.unit.test_target import deployment, target_input
+from tests.unit.test_patching import deployment, target_input
 
 MODEL_DIR = "/var/run/preshard/model"
 URI = "s3://models/shards/k/model-rank-%03d.tensors"

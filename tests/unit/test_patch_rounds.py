@@ -9,7 +9,7 @@ import json
 from datetime import timedelta
 from typing import Any
 
-from preshard.builders.target import ANNOTATION_INPUT_HASH, ANNOTATION_PATCH_ROUNDS
+from preshard.builders.patching import ANNOTATION_INPUT_HASH, ANNOTATION_PATCH_ROUNDS
 from preshard.contract import reasons
 from preshard.controller import conditions
 from preshard.controller.plan import ANNOTATION_RETRY, PATCH_ROUNDS_WINDOW, Event

@@ -17,8 +17,8 @@ import pytest
 
 from preshard.api.models import parse_spec
 from preshard.api.status import ShardedModelStatus
-from preshard.builders.common import Owner
-from preshard.builders.target import ANNOTATION_OWNER
+from preshard.builders.patching import ANNOTATION_OWNER
+from preshard.builders.shardset import Owner
 from preshard.contract import reasons
 from preshard.contract.outcome import Outcome, exit_code
 from preshard.controller import conditions

@@ -11,7 +11,7 @@ import copy
 import json
 from typing import Any
 
-from preshard.builders.target import (
+from preshard.builders.patching import (
     ANNOTATION_ORIGINAL,
     ANNOTATION_PATCHED,
     PatchedDeployment,
@@ -22,7 +22,7 @@ from preshard.builders.target import (
     restore_message,
 )
 from preshard.builders.vllm_args import ContainerCommand, RestoredCommand, restore_vllm_command
-from tests.unit.test_target import deployment, target_input
+from tests.unit.test_patching import deployment, target_input
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

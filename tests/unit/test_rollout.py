@@ -8,8 +8,8 @@ from typing import Any
 import kopf
 import pytest
 
+from preshard.builders.patching import INIT_CONTAINER
 from preshard.builders.rollout import Rollout, container_digest, rollout_of, template_digests
-from preshard.builders.target import INIT_CONTAINER
 from preshard.controller.handlers import Wakeups
 from preshard.controller.observe import ContainerProblem, quote, target_pod_view
 

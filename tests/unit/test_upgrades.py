@@ -14,7 +14,7 @@ import yaml
 
 from preshard.api.models import parse_spec
 from preshard.builders.identity import artifact_key, shard_set_key
-from preshard.builders.target import (
+from preshard.builders.patching import (
     INIT_CONTAINER,
     PatchedDeployment,
     managed_view,
@@ -22,8 +22,8 @@ from preshard.builders.target import (
 )
 from preshard.settings import Settings, SettingsError
 from tests.unit import test_plan
+from tests.unit.test_patching import deployment, target_input
 from tests.unit.test_plan import World, drive_to_ready
-from tests.unit.test_target import deployment, target_input
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC: dict[str, Any] = {

@@ -14,7 +14,7 @@ import yaml
 
 from preshard.api.models import parse_spec
 from preshard.builders.identity import image_tag, serializer_vllm_version, vllm_release
-from preshard.builders.target import (
+from preshard.builders.patching import (
     ANNOTATION_VLLM_VERSION,
     PatchedDeployment,
     Refusal,
@@ -25,9 +25,9 @@ from preshard.cli import main
 from preshard.contract import reasons
 from preshard.controller import conditions
 from preshard.settings import Settings
+from tests.unit.test_patching import KEY, target_input
+from tests.unit.test_patching import deployment as target_deployment
 from tests.unit.test_plan import World, deployment, drive_to_ready
-from tests.unit.test_target import KEY, target_input
-from tests.unit.test_target import deployment as target_deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 MISMATCH = (

@@ -20,8 +20,9 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from preshard.api.models import Storage, parse_spec
-from preshard.builders.common import Owner, ShardSet, s3_endpoint_url
-from preshard.builders.target import TargetInput, build_patched_deployment
+from preshard.builders.patching import TargetInput, build_patched_deployment
+from preshard.builders.pods import s3_endpoint_url
+from preshard.builders.shardset import Owner, ShardSet
 from preshard.settings import Settings
 from preshard_devenv import workloads
 

@@ -13,25 +13,27 @@ from dataclasses import dataclass
 from typing import Final
 
 from preshard.api import models
-from preshard.builders.common import (
-    ANNOTATION_TP,
-    ANNOTATION_URI,
+from preshard.builders import Manifest
+from preshard.builders.identity import normalise_engine_args
+from preshard.builders.pods import (
     ENCRYPTION_KEYFILE,
     SCRATCH_DIR,
-    Manifest,
-    Owner,
-    ShardSet,
     ca_bundle_mount,
     ca_bundle_volume,
-    child_name,
     encryption_mount,
     encryption_volume,
-    labels,
     log_args,
     s3_args,
     s3_env,
 )
-from preshard.builders.identity import normalise_engine_args
+from preshard.builders.shardset import (
+    ANNOTATION_TP,
+    ANNOTATION_URI,
+    Owner,
+    ShardSet,
+    child_name,
+    labels,
+)
 from preshard.contract.layout import S3Location
 from preshard.contract.outcome import PERMANENT_EXIT_CODES
 from preshard.settings import Settings

@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from preshard.builders.common import Manifest
-from preshard.builders.target import INIT_CONTAINER
+from preshard.builders import Manifest
+from preshard.builders.patching import INIT_CONTAINER
 
 DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
 

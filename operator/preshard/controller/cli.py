@@ -13,9 +13,9 @@ from typing import Any
 import yaml
 
 from preshard.api import models
-from preshard.builders import jobs, target
-from preshard.builders.common import Manifest, Owner, ShardSet
+from preshard.builders import Manifest, jobs, patching
 from preshard.builders.identity import serializer_vllm_version, shard_set_key
+from preshard.builders.shardset import Owner, ShardSet
 from preshard.contract import reasons
 from preshard.settings import Settings, SettingsError
 
@@ -192,9 +192,9 @@ def _render(args: argparse.Namespace) -> int:
             shard_set = sets[spec.target_tp(spec_target)]
             if shard_set.tensor_parallel_size > settings.max_gpus_per_job:
                 continue
-            patched = target.patch_deployment(
+            patched = patching.patch_deployment(
                 deployment,
-                target.TargetInput(
+                patching.TargetInput(
                     owner=owner,
                     spec=spec,
                     shard_set=shard_set,
@@ -207,7 +207,7 @@ def _render(args: argparse.Namespace) -> int:
                 ),
             )
             deployment_name = (deployment.get("metadata") or {}).get("name")
-            if isinstance(patched, target.Refusal):
+            if isinstance(patched, patching.Refusal):
                 sys.stderr.write(
                     f"Deployment {deployment_name}: {patched.reason}: {patched.message}\n"
                 )
@@ -216,7 +216,7 @@ def _render(args: argparse.Namespace) -> int:
             if patched.overrides:
                 sys.stderr.write(
                     f"Deployment {deployment_name}: {reasons.ARGS_OVERRIDDEN}: "
-                    f"{target.overrides_line(patched.overrides)}\n"
+                    f"{patching.overrides_line(patched.overrides)}\n"
                 )
             if patched.version_note:
                 sys.stderr.write(f"Deployment {deployment_name}: {patched.version_note}\n")

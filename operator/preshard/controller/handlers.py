@@ -23,8 +23,8 @@ import aiohttp
 import kopf
 
 from preshard.api import models
-from preshard.builders import jobs, target
-from preshard.builders.common import LABEL_MANAGED_BY, LABEL_SHARDEDMODEL, MANAGED_BY
+from preshard.builders import jobs, patching
+from preshard.builders.shardset import LABEL_MANAGED_BY, LABEL_SHARDEDMODEL, MANAGED_BY
 from preshard.contract import reasons
 from preshard.controller import kube, metrics, progress
 from preshard.controller.observe import (
@@ -129,7 +129,7 @@ class Wakeups:
     ) -> None:
         """Wake the reconcilers whose targets may include this Deployment."""
         labels = dict(body.get("metadata", {}).get("labels") or {})
-        owner = target.owner_of(dict(body))
+        owner = patching.owner_of(dict(body))
         if owner is None or deleted:
             self.owners.pop((namespace, name), None)
         else:
@@ -506,7 +506,7 @@ class Indexes:
             if interest.matches(
                 deployment,
                 (manifest.get("metadata") or {}).get("labels") or {},
-                target.owner_of(manifest),
+                patching.owner_of(manifest),
                 name,
             )
         }

@@ -11,10 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from preshard.builders.common import LABEL_COMMAND
 from preshard.builders.jobs import CONTAINER
+from preshard.builders.patching import INIT_CONTAINER
 from preshard.builders.rollout import container_digest
-from preshard.builders.target import INIT_CONTAINER
+from preshard.builders.shardset import LABEL_COMMAND
 from preshard.contract import reasons
 from preshard.contract.outcome import Command, Outcome, reason_for_exit_code
 

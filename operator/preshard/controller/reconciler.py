@@ -19,8 +19,8 @@ from typing import Any, Final
 from preshard.api import models
 from preshard.api.models import InvalidSpecError, ShardedModelSpec, parse_spec
 from preshard.api.status import ShardedModelStatus, ShardSetStatus
-from preshard.builders import jobs, target
-from preshard.builders.common import LABEL_COMMAND, Manifest, Owner
+from preshard.builders import Manifest, jobs, patching
+from preshard.builders.shardset import LABEL_COMMAND, Owner
 from preshard.contract import reasons
 from preshard.contract.outcome import Outcome
 from preshard.controller import conditions, kube, metrics
@@ -274,12 +274,12 @@ class Reconciler:
                 current = self.kube.get_deployment(namespace, deployment_name)
             except kube.NotFoundError:
                 continue
-            restored = target.build_restored_deployment(current)
+            restored = patching.build_restored_deployment(current)
             if restored is None:
                 continue
             try:
                 self.kube.patch_deployment(
-                    namespace, deployment_name, target.deployment_patch(current, restored)
+                    namespace, deployment_name, patching.deployment_patch(current, restored)
                 )
             except kube.ConflictError as error:
                 self.metrics.deployment_patch(metrics.RESTORE, metrics.CONFLICT)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from preshard.api.status import ShardedModelStatus
-from preshard.builders.common import ShardSet
+from preshard.builders.shardset import ShardSet
 from preshard.contract import reasons
 from preshard.controller import conditions
 from preshard.controller.plan import report, sets, targets

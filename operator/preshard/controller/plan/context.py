@@ -13,7 +13,7 @@ from datetime import datetime
 
 from preshard.api import models
 from preshard.api.status import ShardSetStatus
-from preshard.builders.common import Manifest
+from preshard.builders import Manifest
 from preshard.builders.identity import shard_set_key
 from preshard.controller.plan.model import (
     DeploymentPatch,

@@ -14,8 +14,8 @@ from typing import Final
 
 from preshard.api.models import ShardedModelSpec
 from preshard.api.status import ShardedModelStatus
-from preshard.builders import jobs, target
-from preshard.builders.common import Manifest, Owner, ShardSet, child_name
+from preshard.builders import Manifest, jobs, patching
+from preshard.builders.shardset import Owner, ShardSet, child_name
 from preshard.contract import reasons
 from preshard.controller.observe import JobView
 from preshard.controller.plan.model import Event
@@ -86,7 +86,7 @@ def plan_deletion(
     restore = tuple(
         name
         for name, deployment in sorted(deployments.items())
-        if target.owner_of(deployment) == owner.name
+        if patching.owner_of(deployment) == owner.name
     )
     stop_jobs = tuple(
         entry.job

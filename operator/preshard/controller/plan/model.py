@@ -9,7 +9,8 @@ from typing import Final, Literal
 
 from preshard.api import models
 from preshard.api.status import ShardedModelStatus
-from preshard.builders.common import Manifest, Owner
+from preshard.builders import Manifest
+from preshard.builders.shardset import Owner
 from preshard.controller.observe import JobView, TargetPodView
 
 ANNOTATION_RETRY: Final = "preshard.dev/retry"

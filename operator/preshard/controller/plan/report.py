@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from preshard.api.status import Condition, ShardedModelStatus, ShardSetStatus, TargetStatus
-from preshard.builders import target
+from preshard.builders import patching
 from preshard.contract import reasons
 from preshard.controller import conditions
 from preshard.controller.plan.context import Context
@@ -172,7 +172,7 @@ def announce(
                 Event(
                     "Warning" if patch.kept else "Normal",
                     reasons.RESTORED,
-                    clip(target.restore_message(patch.name, patch.kept)),
+                    clip(patching.restore_message(patch.name, patch.kept)),
                     deployment=patch.name,
                 )
             )

@@ -12,8 +12,8 @@ from datetime import timedelta
 from typing import Final
 
 from preshard.api.status import ShardSetStatus, Stage
-from preshard.builders import jobs
-from preshard.builders.common import Manifest, ShardSet, child_name
+from preshard.builders import Manifest, jobs
+from preshard.builders.shardset import ShardSet, child_name
 from preshard.contract import reasons
 from preshard.contract.layout import shard_set_location
 from preshard.contract.outcome import Outcome

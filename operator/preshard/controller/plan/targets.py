@@ -14,10 +14,10 @@ from typing import Final
 
 from preshard.api import models
 from preshard.api.status import ShardSetStatus, TargetStatus
-from preshard.builders import target
-from preshard.builders.common import Manifest, ShardSet
+from preshard.builders import Manifest, patching
 from preshard.builders.identity import serializer_vllm_version
 from preshard.builders.rollout import Rollout, rollout_of, template_digests
+from preshard.builders.shardset import ShardSet
 from preshard.contract import reasons
 from preshard.controller.plan.context import Actions, Context
 from preshard.controller.plan.model import (
@@ -81,9 +81,9 @@ def plan_targets(
             statuses.append(status)
             actions += needed
     for name, deployment in sorted(deployments.items()):
-        if name not in matched and target.owner_of(deployment) == owner.name:
+        if name not in matched and patching.owner_of(deployment) == owner.name:
             actions += _restore(name, deployment)
-    owned = [d for d in deployments.values() if target.owner_of(d) == owner.name]
+    owned = [d for d in deployments.values() if patching.owner_of(d) == owner.name]
     in_use = frozenset(key for deployment in owned for key in _loaded_sets(deployment))
     return Targets(statuses=tuple(statuses), in_use=in_use, actions=actions)
 
@@ -111,7 +111,7 @@ def _target(
     spec = context.spec
     tp = wanted.tensor_parallel_size
     base = TargetStatus(name=name, tensor_parallel_size=tp, state="Waiting")
-    owner = target.owner_of(deployment)
+    owner = patching.owner_of(deployment)
     if owner is not None and owner != context.resource.owner.name:
         conflict = base.model_copy(
             update={
@@ -121,7 +121,7 @@ def _target(
             }
         )
         return conflict, Actions()
-    applied = target.applied_artifact_key(deployment) if owner else None
+    applied = patching.applied_artifact_key(deployment) if owner else None
     wanted_entry = entries.get(wanted.artifact_key)
     serving = _serving_set(wanted, wanted_entry, applied, entries, spec)
     if serving is None:
@@ -142,7 +142,7 @@ def _target(
         )
         return waiting, Actions()
     serving_entry = entries.get(serving.artifact_key)
-    target_input = target.TargetInput(
+    target_input = patching.TargetInput(
         owner=context.resource.owner,
         spec=spec,
         shard_set=serving,
@@ -153,8 +153,8 @@ def _target(
         or serializer_vllm_version(spec, context.settings),
         allow_vllm_version_mismatch=spec_target.allow_vllm_version_mismatch,
     )
-    patched = target.patch_deployment(deployment, target_input)
-    if isinstance(patched, target.Refusal):
+    patched = patching.patch_deployment(deployment, target_input)
+    if isinstance(patched, patching.Refusal):
         refused = base.model_copy(
             update={
                 "artifact_key": applied,
@@ -187,8 +187,10 @@ def _patched_target(
     the Deployment as the patch makes it: this pass's own copy, which takes the record of patch
     rounds."""
     tp = wanted.tensor_parallel_size
-    owner = target.owner_of(deployment)
-    container = target.choose_container(desired["spec"]["template"]["spec"], spec_target.container)
+    owner = patching.owner_of(deployment)
+    container = patching.choose_container(
+        desired["spec"]["template"]["spec"], spec_target.container
+    )
     container_name = container.get("name") if isinstance(container, dict) else None
     switched = serving.artifact_key == wanted.artifact_key
     base = base.model_copy(
@@ -205,17 +207,17 @@ def _patched_target(
         if owner != context.resource.owner.name:
             return rolled_back, Actions()
         return rolled_back, _restore(name, deployment)  # the restore is not in the index yet
-    if target.managed_view(desired, container_name) != target.managed_view(
+    if patching.managed_view(desired, container_name) != patching.managed_view(
         deployment, container_name
     ):
         rounds = _patch_rounds(context, name, deployment, desired)
         if rounds is None:
             return _reverted(name, deployment, base), Actions()
-        target.annotations_of(desired)[target.ANNOTATION_PATCH_ROUNDS] = rounds
+        patching.annotations_of(desired)[patching.ANNOTATION_PATCH_ROUNDS] = rounds
         patch = DeploymentPatch(
             name=name,
-            patch=target.deployment_patch(deployment, desired),
-            planned_from=target.identity_of(deployment),
+            patch=patching.deployment_patch(deployment, desired),
+            planned_from=patching.identity_of(deployment),
         )
         if not switched:
             serves = base.model_copy(
@@ -263,9 +265,9 @@ def _patch_rounds(
     rounds were: a new spec generation or retry value tries again.
     """
     resource = context.resource
-    record = target.patch_rounds_of(deployment)
+    record = patching.patch_rounds_of(deployment)
     wanted = {
-        "inputHash": target.annotations_of(desired).get(target.ANNOTATION_INPUT_HASH),
+        "inputHash": patching.annotations_of(desired).get(patching.ANNOTATION_INPUT_HASH),
         "generation": resource.generation,
         "retry": resource.annotations.get(ANNOTATION_RETRY),
     }
@@ -279,12 +281,12 @@ def _patch_rounds(
         since, count = context.now, 0
     if count >= PATCH_ROUNDS:
         return None
-    return target.patch_rounds_record({**wanted, "count": count + 1, "since": timestamp(since)})
+    return patching.patch_rounds_record({**wanted, "count": count + 1, "since": timestamp(since)})
 
 
 def _reverted(name: str, deployment: Manifest, base: TargetStatus) -> TargetStatus:
     """A target whose patch something keeps reverting: left as that writer made it."""
-    record = target.patch_rounds_of(deployment) or {}
+    record = patching.patch_rounds_of(deployment) or {}
     minutes = int(PATCH_ROUNDS_WINDOW.total_seconds() // 60)
     return base.model_copy(
         update={
@@ -320,7 +322,7 @@ def _with_overrides(
     Warning event when that line is new: nothing of theirs is replaced without a word."""
     if not overrides or status.state == "RolledBack":
         return status, Actions()
-    line = target.overrides_line(overrides)
+    line = patching.overrides_line(overrides)
     line = line if len(line) <= MESSAGE_LIMIT // 2 else line[: MESSAGE_LIMIT // 2 - 3] + "..."
     previous = next((t for t in context.resource.status.targets if t.name == status.name), None)
     warning = Actions()
@@ -459,23 +461,23 @@ def _rolled_back(context: Context, name: str, key: str) -> TargetStatus | None:
 def _loaded_sets(deployment: Manifest) -> frozenset[str]:
     """The sets a Deployment this resource patched loads: the one applied, and the one before
     while its old pods remain."""
-    annotations = target.annotations_of(deployment)
-    applied = annotations.get(target.ANNOTATION_ARTIFACT_KEY)
-    previous = annotations.get(target.ANNOTATION_PREVIOUS_KEY)
+    annotations = patching.annotations_of(deployment)
+    applied = annotations.get(patching.ANNOTATION_ARTIFACT_KEY)
+    previous = annotations.get(patching.ANNOTATION_PREVIOUS_KEY)
     loaded = {applied} if applied else set()
-    if previous and not target.rollout_complete(deployment):
+    if previous and not patching.rollout_complete(deployment):
         loaded.add(previous)
     return frozenset(loaded)
 
 
 def _restore(name: str, deployment: Manifest) -> Actions:
-    restored = target.restore_deployment(deployment)
+    restored = patching.restore_deployment(deployment)
     if restored is None:
         return Actions()
     patch = DeploymentPatch(
         name=name,
-        patch=target.deployment_patch(deployment, restored.deployment),
-        planned_from=target.identity_of(deployment),
+        patch=patching.deployment_patch(deployment, restored.deployment),
+        planned_from=patching.identity_of(deployment),
         restore=True,
         kept=restored.kept,
     )
@@ -501,7 +503,7 @@ def _serving_set(
 
 
 def _image_note(deployment: Manifest, container_name: str | None) -> str | None:
-    recorded = target.annotations_of(deployment).get(target.ANNOTATION_IMAGE)
+    recorded = patching.annotations_of(deployment).get(patching.ANNOTATION_IMAGE)
     containers = deployment.get("spec", {}).get("template", {}).get("spec", {}).get("containers")
     current = next(
         (c.get("image") for c in containers or [] if c.get("name") == container_name), None

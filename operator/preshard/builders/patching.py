@@ -30,14 +30,13 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from preshard.api import models
-from preshard.builders.common import (
+from preshard.builders import Manifest
+from preshard.builders.identity import image_tag, vllm_release
+from preshard.builders.pods import (
     CA_BUNDLE_PATH,
     CA_BUNDLE_VOLUME,
     ENCRYPTION_KEYFILE,
     ENCRYPTION_VOLUME,
-    Manifest,
-    Owner,
-    ShardSet,
     ca_bundle_mount,
     ca_bundle_volume,
     encryption_mount,
@@ -47,7 +46,7 @@ from preshard.builders.common import (
     s3_endpoint_url,
     s3_env,
 )
-from preshard.builders.identity import image_tag, vllm_release
+from preshard.builders.shardset import Owner, ShardSet
 from preshard.builders.vllm_args import (
     ContainerCommand,
     TensorizerLoad,

@@ -12,8 +12,7 @@ import pytest
 import yaml
 
 from preshard.api.models import Storage, parse_spec
-from preshard.builders.common import Owner, ShardSet, s3_endpoint_url
-from preshard.builders.target import (
+from preshard.builders.patching import (
     ANNOTATION_ORIGINAL,
     Refusal,
     TargetInput,
@@ -24,6 +23,8 @@ from preshard.builders.target import (
     rollout_complete,
     rollout_state,
 )
+from preshard.builders.pods import s3_endpoint_url
+from preshard.builders.shardset import Owner, ShardSet
 from preshard.contract import reasons
 from preshard.settings import Settings
 
