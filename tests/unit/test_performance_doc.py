@@ -422,7 +422,7 @@ CONTROLLER_RUN_COLUMNS: Final[dict[str, Callable[[dict[str, Any]], float]]] = {
 CONTROLLER_REQUESTS: Final = {
     "PATCH `shardedmodels/status`": "PATCH shardedmodels.preshard.dev/status",
     "POST `events`": "POST events",
-    "PATCH `shardedmodels` (kopf: finalizer, last-handled configuration)": (
+    "PATCH `shardedmodels` (kopf: finalizer; before run 7 also the last-handled configuration)": (
         "PATCH shardedmodels.preshard.dev"
     ),
     "POST `jobs`": "POST jobs.batch",
