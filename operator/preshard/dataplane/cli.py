@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypedDict
 
 from preshard.contract import reasons
 from preshard.contract.layout import InvalidURIError, S3Location
@@ -36,6 +36,7 @@ from preshard.dataplane.errors import DataplaneError
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
+    from preshard.dataplane.serialize import S3Clients
     from preshard.dataplane.upload import TransferSettings
 
 TERMINATION_LOG_ENV: Final = "PRESHARD_TERMINATION_LOG"
@@ -159,24 +160,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="JSON",
         help='extra vLLM EngineArgs fields, e.g. \'{"quantization": "fp8"}\'',
     )
-    serialize.add_argument("--dest", metavar="S3_URI", help="s3://bucket/prefix/KEY/ (required)")
-    serialize.add_argument("--artifact-key", metavar="KEY", help="the shard set's key (required)")
-    serialize.add_argument(
-        "--scratch-dir", metavar="DIR", help="local scratch directory (required)"
-    )
-    serialize.add_argument(
-        "--encryption-keyfile", metavar="PATH", help="file with the 32-byte tensorizer key"
-    )
-    serialize.add_argument(
-        "--upload-concurrency", metavar="N", default="16", help="parallel S3 requests (default 16)"
-    )
-    serialize.add_argument(
-        "--part-size", metavar="BYTES", default="32Mi", help="multipart part size (default 32Mi)"
-    )
-    serialize.add_argument(
-        "--scratch-size-limit",
-        metavar="BYTES",
-        help="the scratch volume's size limit (an emptyDir sizeLimit), when free space says less",
+    _add_write_arguments(
+        serialize,
+        key_help="the shard set's key (required)",
+        keyfile_help="file with the 32-byte tensorizer key",
     )
     serialize.set_defaults(run=_run_serialize)
 
@@ -218,24 +205,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     reshard.add_argument(
         "--to-tensor-parallel-size", metavar="M", help="the new set's TP size (required)"
     )
-    reshard.add_argument("--dest", metavar="S3_URI", help="s3://bucket/prefix/KEY/ (required)")
-    reshard.add_argument(
-        "--artifact-key", metavar="KEY", help="the new set's key (default: --dest's last segment)"
-    )
-    reshard.add_argument("--scratch-dir", metavar="DIR", help="local scratch directory (required)")
-    reshard.add_argument(
-        "--encryption-keyfile", metavar="PATH", help="the 32-byte key of an encrypted source"
-    )
-    reshard.add_argument(
-        "--upload-concurrency", metavar="N", default="16", help="parallel S3 requests (default 16)"
-    )
-    reshard.add_argument(
-        "--part-size", metavar="BYTES", default="32Mi", help="multipart part size (default 32Mi)"
-    )
-    reshard.add_argument(
-        "--scratch-size-limit",
-        metavar="BYTES",
-        help="the scratch volume's size limit (an emptyDir sizeLimit), when free space says less",
+    _add_write_arguments(
+        reshard,
+        key_help="the new set's key (default: --dest's last segment)",
+        keyfile_help="the 32-byte key of an encrypted source",
     )
     reshard.set_defaults(run=_run_reshard)
 
@@ -308,11 +281,31 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     delete.set_defaults(run=_run_delete)
 
 
+def _add_write_arguments(
+    parser: argparse.ArgumentParser, *, key_help: str, keyfile_help: str
+) -> None:
+    """The options of a command that writes a set (see `_writes`)."""
+    parser.add_argument("--dest", metavar="S3_URI", help="s3://bucket/prefix/KEY/ (required)")
+    parser.add_argument("--artifact-key", metavar="KEY", help=key_help)
+    parser.add_argument("--scratch-dir", metavar="DIR", help="local scratch directory (required)")
+    parser.add_argument("--encryption-keyfile", metavar="PATH", help=keyfile_help)
+    parser.add_argument(
+        "--upload-concurrency", metavar="N", default="16", help="parallel S3 requests (default 16)"
+    )
+    parser.add_argument(
+        "--part-size", metavar="BYTES", default="32Mi", help="multipart part size (default 32Mi)"
+    )
+    parser.add_argument(
+        "--scratch-size-limit",
+        metavar="BYTES",
+        help="the scratch volume's size limit (an emptyDir sizeLimit), when free space says less",
+    )
+
+
 def _run_serialize(args: argparse.Namespace) -> int:
     def body() -> Outcome:
         from preshard.dataplane.engine import DTYPES, parse_engine_args  # noqa: PLC0415
         from preshard.dataplane.serialize import (  # noqa: PLC0415 - pulls in the data-plane deps
-            S3Clients,
             SerializeOptions,
             serialize,
         )
@@ -324,15 +317,7 @@ def _run_serialize(args: argparse.Namespace) -> int:
         dtype = _required(args.dtype, "--dtype")
         if dtype not in DTYPES:
             raise _invalid(f"--dtype {dtype!r} is not one of {', '.join(sorted(DTYPES))}")
-        destination = _location(_required(args.dest, "--dest"), "--dest")
-        key = _required(args.artifact_key, "--artifact-key")
-        if not ARTIFACT_KEY_PATTERN.match(key):
-            raise _invalid(
-                f"--artifact-key {key!r} must be one path segment of letters, digits, . _ -"
-            )
-        if destination.prefix.rsplit("/", 1)[-1] != key:
-            raise _invalid(f"--dest {destination.uri} must end with the artifact key {key}")
-        transfer = _transfer_settings(args)
+        writes = _writes(args, key_required=True)
         options = SerializeOptions(
             model=model,
             revision=args.revision or None,
@@ -341,27 +326,10 @@ def _run_serialize(args: argparse.Namespace) -> int:
             max_model_len=_positive_int(args.max_model_len, "--max-model-len")
             if args.max_model_len
             else None,
-            destination=destination,
-            artifact_key=key,
-            scratch_dir=Path(_required(args.scratch_dir, "--scratch-dir")),
             engine_args=parse_engine_args(args.engine_args_json),
-            encryption_keyfile=Path(args.encryption_keyfile) if args.encryption_keyfile else None,
-            transfer=transfer,
-            scratch_size_limit=(
-                parse_size(args.scratch_size_limit, "--scratch-size-limit")
-                if args.scratch_size_limit
-                else None
-            ),
+            **writes,
         )
-        clients = S3Clients(
-            control=_client(args),
-            transfer=_client(
-                args,
-                max_connections=transfer.concurrency + 8,
-                botocore_attempts=1,
-                sign_payloads=False,
-            ),
-        )
+        clients = _writer_clients(args, writes["transfer"])
         return serialize(options, clients)
 
     return _run("serialize", args, body, uri=args.dest)
@@ -370,49 +338,73 @@ def _run_serialize(args: argparse.Namespace) -> int:
 def _run_reshard(args: argparse.Namespace) -> int:
     def body() -> Outcome:
         from preshard.dataplane.reshard import ReshardOptions, reshard  # noqa: PLC0415
-        from preshard.dataplane.serialize import S3Clients  # noqa: PLC0415
 
         source = _location(_required(args.uri, "SRC_URI"), "SRC_URI")
         tp = _positive_int(
             _required(args.to_tensor_parallel_size, "--to-tensor-parallel-size"),
             "--to-tensor-parallel-size",
         )
-        destination = _location(_required(args.dest, "--dest"), "--dest")
-        last = destination.prefix.rsplit("/", 1)[-1]
-        key = args.artifact_key or last
-        if not ARTIFACT_KEY_PATTERN.match(key):
-            raise _invalid(
-                f"the artifact key {key!r} must be one path segment of letters, digits, . _ -"
-            )
-        if last != key:
-            raise _invalid(f"--dest {destination.uri} must end with the artifact key {key}")
-        transfer = _transfer_settings(args)
-        options = ReshardOptions(
-            source=source,
-            tensor_parallel_size=tp,
-            destination=destination,
-            artifact_key=key,
-            scratch_dir=Path(_required(args.scratch_dir, "--scratch-dir")),
-            encryption_keyfile=Path(args.encryption_keyfile) if args.encryption_keyfile else None,
-            transfer=transfer,
-            scratch_size_limit=(
-                parse_size(args.scratch_size_limit, "--scratch-size-limit")
-                if args.scratch_size_limit
-                else None
-            ),
-        )
-        clients = S3Clients(
-            control=_client(args),
-            transfer=_client(
-                args,
-                max_connections=transfer.concurrency + 8,
-                botocore_attempts=1,
-                sign_payloads=False,
-            ),
-        )
+        writes = _writes(args, key_required=False)
+        options = ReshardOptions(source=source, tensor_parallel_size=tp, **writes)
+        clients = _writer_clients(args, writes["transfer"])
         return reshard(options, clients)
 
     return _run("reshard", args, body, uri=args.dest)
+
+
+class _WriteOptions(TypedDict):
+    """The options of a command that writes a set, by the names its options type uses."""
+
+    destination: S3Location
+    artifact_key: str
+    scratch_dir: Path
+    encryption_keyfile: Path | None
+    transfer: TransferSettings
+    scratch_size_limit: int | None
+
+
+def _writes(args: argparse.Namespace, *, key_required: bool) -> _WriteOptions:
+    """Where a command writes its set and with what (`--dest`, the artifact key, scratch, the
+    encryption key, the transfer settings), checked. Without `key_required` the key defaults
+    to the last segment of `--dest`."""
+    destination = _location(_required(args.dest, "--dest"), "--dest")
+    last = destination.prefix.rsplit("/", 1)[-1]
+    key = _required(args.artifact_key, "--artifact-key") if key_required else args.artifact_key
+    key = key or last
+    if not ARTIFACT_KEY_PATTERN.match(key):
+        raise _invalid(
+            f"the artifact key {key!r} must be one path segment of letters, digits, . _ -"
+        )
+    if last != key:
+        raise _invalid(f"--dest {destination.uri} must end with the artifact key {key}")
+    return _WriteOptions(
+        destination=destination,
+        artifact_key=key,
+        scratch_dir=Path(_required(args.scratch_dir, "--scratch-dir")),
+        encryption_keyfile=Path(args.encryption_keyfile) if args.encryption_keyfile else None,
+        transfer=_transfer_settings(args),
+        scratch_size_limit=(
+            parse_size(args.scratch_size_limit, "--scratch-size-limit")
+            if args.scratch_size_limit
+            else None
+        ),
+    )
+
+
+def _writer_clients(args: argparse.Namespace, transfer: TransferSettings) -> S3Clients:
+    """A client for the requests botocore retries, and one for the transfers, which retry
+    themselves, with a connection for each transfer in flight."""
+    from preshard.dataplane.serialize import S3Clients  # noqa: PLC0415 - data-plane deps
+
+    return S3Clients(
+        control=_client(args),
+        transfer=_client(
+            args,
+            max_connections=transfer.concurrency + 8,
+            botocore_attempts=1,
+            sign_payloads=False,
+        ),
+    )
 
 
 def _run_verify(args: argparse.Namespace) -> int:

@@ -39,7 +39,7 @@ from preshard.dataplane.s3 import get_small_object, require_prefix
 from preshard.dataplane.scratch import ScratchEstimate, check_room, directory_bytes
 from preshard.dataplane.serialize import (
     S3Clients,
-    complete_destination,
+    already_complete,
     read_encryption_key,
     store_files,
     write_manifest,
@@ -174,17 +174,8 @@ def _nested(a: str, b: str) -> bool:
 
 
 def _already_complete(client: S3Client, options: ReshardOptions) -> Outcome | None:
-    checked = complete_destination(
-        client,
-        options.destination,
-        tensor_parallel_size=options.tensor_parallel_size,
-        artifact_key=options.artifact_key,
-    )
-    if checked is None:
-        return None
-    message = f"{options.destination.uri} was already complete; nothing to do"
-    logger().info("%s", message)
-    return _outcome(options, checked.manifest, message)
+    found = already_complete(client, options)
+    return None if found is None else _outcome(options, *found)
 
 
 def _check_encryption(manifest: Manifest, source: S3Location, key: bytes | None) -> None:

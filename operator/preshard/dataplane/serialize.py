@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from preshard.contract import reasons
 from preshard.contract.layout import MANIFEST_NAME, S3Location, rank_file_names
@@ -195,7 +195,25 @@ def read_encryption_key(path: Path | None) -> bytes | None:
 
 
 def _already_complete(client: S3Client, options: SerializeOptions) -> Outcome | None:
-    checked = complete_destination(
+    found = already_complete(client, options)
+    return None if found is None else _outcome(options, *found)
+
+
+class WritesSet(Protocol):
+    """The options of a command that writes a set: where, for which TP size, under which key."""
+
+    @property
+    def destination(self) -> S3Location: ...
+    @property
+    def tensor_parallel_size(self) -> int: ...
+    @property
+    def artifact_key(self) -> str: ...
+
+
+def already_complete(client: S3Client, options: WritesSet) -> tuple[Manifest, str] | None:
+    """The manifest of the complete set already where `options` write theirs, and the message
+    that says so (logged); None when there is none."""
+    checked = _complete_destination(
         client,
         options.destination,
         tensor_parallel_size=options.tensor_parallel_size,
@@ -205,10 +223,10 @@ def _already_complete(client: S3Client, options: SerializeOptions) -> Outcome | 
         return None
     message = f"{options.destination.uri} was already complete; nothing to do"
     logger().info("%s", message)
-    return _outcome(options, checked.manifest, message)
+    return checked.manifest, message
 
 
-def complete_destination(
+def _complete_destination(
     client: S3Client, destination: S3Location, *, tensor_parallel_size: int, artifact_key: str
 ) -> CheckedSet | None:
     """The complete set already at `destination` for this TP and key, or None.
