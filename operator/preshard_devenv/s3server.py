@@ -96,26 +96,7 @@ def start_s3_server(
     """Start SeaweedFS (master, volume, filer, S3) bound to 127.0.0.1 on free ports."""
     credentials = credentials or S3Credentials.random()
     data_dir.mkdir(parents=True, exist_ok=True)
-    identities = data_dir / "identities.json"
-    identities.write_text(
-        json.dumps(
-            {
-                "identities": [
-                    {
-                        "name": "admin",
-                        "credentials": [
-                            {
-                                "accessKey": credentials.access_key_id,
-                                "secretKey": credentials.secret_access_key,
-                            }
-                        ],
-                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                    }
-                ]
-            }
-        )
-    )
-    identities.chmod(0o600)
+    identities = write_identities(data_dir, credentials)
     for attempt in range(_LAUNCH_ATTEMPTS):
         # A failed start may leave cluster state naming its ports; each start begins clean.
         shutil.rmtree(data_dir / "data", ignore_errors=True)
@@ -138,6 +119,32 @@ def start_s3_server(
         process=process,
         data_dir=data_dir,
     )
+
+
+def write_identities(data_dir: Path, credentials: S3Credentials) -> Path:
+    """The S3 gateway's identities file: one admin with `credentials`, readable by its owner
+    only."""
+    identities = data_dir / "identities.json"
+    identities.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "admin",
+                        "credentials": [
+                            {
+                                "accessKey": credentials.access_key_id,
+                                "secretKey": credentials.secret_access_key,
+                            }
+                        ],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        )
+    )
+    identities.chmod(0o600)
+    return identities
 
 
 def _server_argv(data_dir: Path, identities: Path) -> tuple[list[str], str]:

@@ -8,7 +8,6 @@ certificate is written beside it, the way a user would put it into a ConfigMap.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,25 +49,7 @@ def tls_s3_server(directory: Path) -> Iterator[TlsStore]:
     data_dir = directory / "s3"
     (data_dir / "data").mkdir(parents=True, exist_ok=True)
     credentials = s3server.S3Credentials.random()
-    identities = data_dir / "identities.json"
-    identities.write_text(
-        json.dumps(
-            {
-                "identities": [
-                    {
-                        "name": "admin",
-                        "credentials": [
-                            {
-                                "accessKey": credentials.access_key_id,
-                                "secretKey": credentials.secret_access_key,
-                            }
-                        ],
-                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                    }
-                ]
-            }
-        )
-    )
+    identities = s3server.write_identities(data_dir, credentials)
     argv, endpoint = s3server._server_argv(data_dir, identities)
     (https_port,) = procs.free_ports(1)
     argv += [

@@ -57,30 +57,20 @@ class PodSources:
         return env
 
     def _value_from(self, source: Mapping[str, Any]) -> str | None:
-        if "secretKeyRef" in source:
-            ref = source["secretKeyRef"]
+        for field, kind, read in (
+            ("secretKeyRef", "Secret", self._secret),
+            ("configMapKeyRef", "ConfigMap", self._config_map),
+        ):
+            if field not in source:
+                continue
+            ref = source[field]
             optional = bool(ref.get("optional"))
-            data = self._secret(ref["name"], optional=optional)
-            if data is None:
+            data = read(ref["name"], optional=optional)
+            if data is None or (optional and ref["key"] not in data):
                 return None
             if ref["key"] not in data:
-                if optional:
-                    return None
                 raise ConfigError(
-                    f"couldn't find key {ref['key']} in Secret {self.namespace}/{ref['name']}"
-                )
-            return data[ref["key"]]
-        if "configMapKeyRef" in source:
-            ref = source["configMapKeyRef"]
-            optional = bool(ref.get("optional"))
-            data = self._config_map(ref["name"], optional=optional)
-            if data is None:
-                return None
-            if ref["key"] not in data:
-                if optional:
-                    return None
-                raise ConfigError(
-                    f"couldn't find key {ref['key']} in ConfigMap {self.namespace}/{ref['name']}"
+                    f"couldn't find key {ref['key']} in {kind} {self.namespace}/{ref['name']}"
                 )
             return data[ref["key"]]
         if "fieldRef" in source:
