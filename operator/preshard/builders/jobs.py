@@ -159,15 +159,13 @@ def build_serialize_job(job: JobInput) -> Manifest:
         "volumeMounts": mounts,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    pod_spec: Manifest = {
-        "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
-        "containers": [container],
-        "volumes": volumes,
-    }
-    _placement(pod_spec, serialization.node_selector, serialization.tolerations)
-    if serialization.service_account_name:
-        pod_spec["serviceAccountName"] = serialization.service_account_name
+    pod_spec = _pod_spec(
+        container,
+        volumes,
+        serialization.node_selector,
+        serialization.tolerations,
+        serialization.service_account_name,
+    )
     return _job(
         job,
         SERIALIZE,
@@ -221,15 +219,7 @@ def build_reshard_job(job: JobInput, source: S3Location) -> Manifest:
         "volumeMounts": mounts,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    pod_spec: Manifest = {
-        "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
-        "containers": [container],
-        "volumes": volumes,
-    }
-    _placement(pod_spec, spec.verification.node_selector, spec.verification.tolerations)
-    if spec.serialization.service_account_name:
-        pod_spec["serviceAccountName"] = spec.serialization.service_account_name
+    pod_spec = _cpu_pod_spec(spec, container, volumes)
     # Whatever fails here, the GPU Job is the way out: one pod, no retries.
     return _job(job, RESHARD, pod_spec, backoff_limit=0, deadline=VERIFY_DEADLINE_SECONDS)
 
@@ -281,17 +271,11 @@ def _tools_job(
     env = s3_env(spec.storage)
     if env:
         container["env"] = env
-    pod_spec: Manifest = {
-        "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
-        "containers": [container],
-    }
+    volumes: list[Manifest] = []
     if spec.storage.ca_bundle is not None:
         container["volumeMounts"] = [ca_bundle_mount()]
-        pod_spec["volumes"] = [ca_bundle_volume(spec.storage.ca_bundle)]
-    _placement(pod_spec, spec.verification.node_selector, spec.verification.tolerations)
-    if spec.serialization.service_account_name:
-        pod_spec["serviceAccountName"] = spec.serialization.service_account_name
+        volumes.append(ca_bundle_volume(spec.storage.ca_bundle))
+    pod_spec = _cpu_pod_spec(spec, container, volumes)
     return _job(job, kind, pod_spec, backoff_limit=backoff_limit, deadline=deadline)
 
 
@@ -428,15 +412,44 @@ def _scratch_request(spec: models.ShardedModelSpec, scratch_size: str) -> dict[s
     return {"ephemeral-storage": scratch_size}
 
 
-def _placement(
-    pod_spec: Manifest, node_selector: dict[str, str], tolerations: list[models.Toleration]
-) -> None:
+def _cpu_pod_spec(
+    spec: models.ShardedModelSpec, container: Manifest, volumes: list[Manifest]
+) -> Manifest:
+    """The pod of a CPU Job (reshard, verify, delete): placed as `verification` says."""
+    return _pod_spec(
+        container,
+        volumes,
+        spec.verification.node_selector,
+        spec.verification.tolerations,
+        spec.serialization.service_account_name,
+    )
+
+
+def _pod_spec(
+    container: Manifest,
+    volumes: list[Manifest],
+    node_selector: dict[str, str],
+    tolerations: list[models.Toleration],
+    service_account: str | None,
+) -> Manifest:
+    """A Job's pod: its one container, run once, without an API token; its volumes; where it
+    may run and as which ServiceAccount."""
+    pod_spec: Manifest = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "containers": [container],
+    }
+    if volumes:
+        pod_spec["volumes"] = volumes
     if node_selector:
         pod_spec["nodeSelector"] = dict(node_selector)
     if tolerations:
         pod_spec["tolerations"] = [
             t.model_dump(by_alias=True, exclude_none=True) for t in tolerations
         ]
+    if service_account:
+        pod_spec["serviceAccountName"] = service_account
+    return pod_spec
 
 
 def _engine_args_flag(extra: dict[str, str]) -> list[str]:

@@ -34,7 +34,7 @@ from preshard.controller.plan import (
     plan,
     plan_invalid,
 )
-from preshard.controller.plan.deletion import plan_deletion
+from preshard.controller.plan.deletion import Deletion, plan_deletion
 from preshard.settings import Settings
 
 NOT_FOUND_RETRY_SECONDS: Final = 1.0
@@ -192,26 +192,6 @@ class Reconciler:
         Once done, the ShardedModel is forgotten (`forget`)."""
         metadata = body.get("metadata") or {}
         namespace, name = str(metadata["namespace"]), str(metadata["name"])
-        events = self._cleanup(body, deployments, job_views, sets_used_elsewhere)
-        self.forget(namespace, name)
-        return events
-
-    def forget(self, namespace: str, name: str) -> None:
-        """Drop what is kept about a ShardedModel that is gone: the status written last, what
-        its deletion counted, and its series in the metrics."""
-        self._written.pop((namespace, name), None)
-        self._cleanup_counted.pop((namespace, name), None)
-        self.metrics.forget(namespace, name)
-
-    def _cleanup(
-        self,
-        body: Manifest,
-        deployments: Mapping[str, Manifest],
-        job_views: Mapping[str, JobView],
-        sets_used_elsewhere: frozenset[str],
-    ) -> list[Event]:
-        metadata = body.get("metadata") or {}
-        namespace, name = str(metadata["namespace"]), str(metadata["name"])
         try:
             spec: ShardedModelSpec | None = parse_spec(body.get("spec"))
         except InvalidSpecError:
@@ -226,6 +206,19 @@ class Reconciler:
             sets_used_elsewhere,
             self.settings,
         )
+        events = self._delete(namespace, name, deletion)
+        self.forget(namespace, name)
+        return events
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop what is kept about a ShardedModel that is gone: the status written last, what
+        its deletion counted, and its series in the metrics."""
+        self._written.pop((namespace, name), None)
+        self._cleanup_counted.pop((namespace, name), None)
+        self.metrics.forget(namespace, name)
+
+    def _delete(self, namespace: str, name: str, deletion: Deletion) -> list[Event]:
+        """Carry a deletion out; `CleanupPendingError` while something is left to wait for."""
         if deletion.skipped:
             return deletion.events()
         events = self._restore_targets(namespace, deletion.restore)

@@ -207,6 +207,7 @@ def _patched_target(
         if owner != context.resource.owner.name:
             return rolled_back, Actions()
         return rolled_back, _restore(name, deployment)  # the restore is not in the index yet
+    patches: tuple[DeploymentPatch, ...] = ()
     if patching.managed_view(desired, container_name) != patching.managed_view(
         deployment, container_name
     ):
@@ -214,41 +215,36 @@ def _patched_target(
         if rounds is None:
             return _reverted(name, deployment, base), Actions()
         patching.annotations_of(desired)[patching.ANNOTATION_PATCH_ROUNDS] = rounds
-        patch = DeploymentPatch(
-            name=name,
-            patch=patching.deployment_patch(deployment, desired),
-            planned_from=patching.identity_of(deployment),
+        patches = (
+            DeploymentPatch(
+                name=name,
+                patch=patching.deployment_patch(deployment, desired),
+                planned_from=patching.identity_of(deployment),
+            ),
         )
-        if not switched:
-            serves = base.model_copy(
-                update={
-                    "reason": reasons.WAITING_FOR_SHARDS,
-                    "message": f"serves {serving.uri} until TP {tp} set "
-                    f"{wanted.artifact_key} is verified",
-                    "rollout": "in progress",
-                }
-            )
-            return serves, Actions(patches=(patch,))
-        rolling = base.model_copy(
-            update={
-                "state": "RollingOut",
-                "reason": reasons.ROLLING_OUT,
-                "message": f"rolling out the patched template that loads {serving.uri}",
-                "rollout": "in progress",
-            }
-        )
-        return rolling, Actions(patches=(patch,))
     rollout = rollout_of(deployment)
+    # A template patched now starts a rollout the Deployment's status does not show yet.
+    summary = "in progress" if patches else rollout.summary
     if not switched:
         serves = base.model_copy(
             update={
                 "reason": reasons.WAITING_FOR_SHARDS,
                 "message": f"serves {serving.uri} until TP {tp} set "
                 f"{wanted.artifact_key} is verified",
-                "rollout": rollout.summary,
+                "rollout": summary,
             }
         )
-        return serves, Actions()
+        return serves, Actions(patches=patches)
+    if patches:
+        rolling = base.model_copy(
+            update={
+                "state": "RollingOut",
+                "reason": reasons.ROLLING_OUT,
+                "message": f"rolling out the patched template that loads {serving.uri}",
+                "rollout": summary,
+            }
+        )
+        return rolling, Actions(patches=patches)
     return _rollout_state(context, name, spec_target, deployment, base, serving, rollout)
 
 
@@ -395,25 +391,10 @@ def _rollout_state(
                 }
             )
             return rolled_back, _restore(name, deployment)
-        unavailable = base.model_copy(
-            update={
-                "state": "Unavailable",
-                "reason": reasons.TARGET_UNAVAILABLE,
-                "message": clip(f"{failure} ({detail})"),
-                "rollout": rollout.summary,
-            }
-        )
-        return unavailable, Actions()
+        return _unavailable(base, f"{failure} ({detail})", rollout), Actions()
     if problem is not None:
-        failing = base.model_copy(
-            update={
-                "state": "Unavailable",
-                "reason": reasons.TARGET_UNAVAILABLE,
-                "message": clip(f"patched pods of {serving.uri} fail: {problem}"),
-                "rollout": rollout.summary,
-            }
-        )
-        return failing, Actions()
+        failing = f"patched pods of {serving.uri} fail: {problem}"
+        return _unavailable(base, failing, rollout), Actions()
     rolling = base.model_copy(
         update={
             "state": "RollingOut",
@@ -423,6 +404,18 @@ def _rollout_state(
         }
     )
     return rolling, Actions()
+
+
+def _unavailable(base: TargetStatus, message: str, rollout: Rollout) -> TargetStatus:
+    """A patched target whose pods do not come up."""
+    return base.model_copy(
+        update={
+            "state": "Unavailable",
+            "reason": reasons.TARGET_UNAVAILABLE,
+            "message": clip(message),
+            "rollout": rollout.summary,
+        }
+    )
 
 
 def _pod_problem(
