@@ -6,7 +6,7 @@ and stored under an S3 prefix with its config files and manifest, as `preshard s
 stores a set. For each pair N:M of `--pairs`, `--repeats` rounds run, each with:
 
 - **reshard**: `preshard reshard` of the TP N set to TP M, as a separate process (the
-  serializer image's command) with a fresh scratch directory: download with sha256 checks,
+  serializer image's command) with a fresh scratch directory: download with checksum checks,
   the reshard itself (the *reshard* phase, from its log), upload and manifest;
 - **local**: the reshard alone (`reshard_rank_files`) on the TP N rank files on local disk, in
   a process of its own, which reports its `VmHWM` after its imports and after the reshard:
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -46,6 +45,7 @@ from benchmarks import common
 from benchmarks.serialize import make_model, plan_model, upload_directory
 from preshard.contract.layout import MANIFEST_NAME
 from preshard.contract.outcome import Outcome
+from preshard.dataplane.checksums import CRC64NVME, digest_of_file
 from preshard.dataplane.manifest import Manifest, ManifestFile
 from preshard_devenv.cpuengine import SPEC as CPU_ENGINE
 from preshard_devenv.cpuengine import load_checkpoint
@@ -116,15 +116,11 @@ def store_set(store: common.S3Store, prefix: str, model_dir: Path, rank_files: l
     files = [(p, "shard") for p in rank_files] + [(model_dir / n, "config") for n in config_names]
     for path, kind in files:
         client.upload_file(str(path), store.bucket, f"{prefix}/{path.name}")
-        digest = hashlib.sha256()
-        with path.open("rb") as fh:
-            while chunk := fh.read(common.MIB * 8):
-                digest.update(chunk)
         entries.append(
             ManifestFile(
                 name=path.name,
                 size=path.stat().st_size,
-                sha256=digest.hexdigest(),
+                crc64nvme=digest_of_file(path, CRC64NVME),
                 kind="shard" if kind == "shard" else "config",
             )
         )

@@ -14,7 +14,6 @@ workers to each core (`VLLM_CPU_OMP_THREADS_BIND=0|1|0|1`).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
 from preshard.contract.layout import tensorizer_uri
+from preshard.dataplane.checksums import CRC64NVME, digest_of_file
 from preshard_devenv import engine, procs
 from preshard_devenv.s3server import S3Bucket, S3Server
 from preshard_devenv.tinymodel import TinyModel, make_tiny_model
@@ -107,9 +107,9 @@ def test_resharded_rank_files_are_vllms_files_byte_for_byte(
     target_tp: int,
 ) -> None:
     made, own = resharded[source_tp, target_tp], vllm_sets[target_tp]
-    assert made.sha256() == own.sha256()
+    assert made.checksums() == own.checksums()
     for path in made.rank_files:
-        assert hashlib.sha256(path.read_bytes()).hexdigest() == own.sha256()[path.name]
+        assert digest_of_file(path, CRC64NVME) == own.checksums()[path.name]
 
 
 def test_vllms_layout_is_what_the_test_claims(vllm_sets: dict[int, StoredSet]) -> None:

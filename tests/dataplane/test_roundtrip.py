@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
 
 from preshard.contract import reasons
+from preshard.dataplane.checksums import CRC64NVME, digest_of_bytes
 from preshard_devenv import cpuengine
 from preshard_devenv.s3server import S3Bucket, S3Server
 from preshard_devenv.tinymodel import TinyModel
@@ -69,7 +69,8 @@ def test_round_trip(
     for name, entry in files.items():
         data = stored[name].read_bytes()
         assert len(data) == entry["size"]
-        assert hashlib.sha256(data).hexdigest() == entry["sha256"]
+        assert "sha256" not in entry
+        assert digest_of_bytes(data, CRC64NVME) == entry["crc64nvme"]
     for name in tiny_model.config_files:
         assert stored[name].read_bytes() == (tiny_model.path / name).read_bytes()
     assert_shards_match(tiny_model, [stored[r] for r in ranks], dtype=dtype)

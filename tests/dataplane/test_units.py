@@ -13,6 +13,7 @@ from preshard.cli import main
 from preshard.contract import reasons
 from preshard.contract.engine_args import RESERVED_ENGINE_ARGS
 from preshard.contract.outcome import Outcome, exit_code
+from preshard.dataplane.checksums import crc64nvme, s3_header
 from preshard.dataplane.cli import parse_size
 from preshard.dataplane.engine import (
     EngineRequest,
@@ -24,7 +25,7 @@ from preshard.dataplane.logs import redact
 from preshard.dataplane.s3 import RetryPolicy
 from preshard.dataplane.scratch import ScratchEstimate, check_room
 from preshard.dataplane.source import select_files
-from preshard.dataplane.upload import MAX_PARTS, MIB, crc32_header, part_size_for
+from preshard.dataplane.upload import MAX_PARTS, MIB, part_size_for
 from preshard.dataplane.vllm_engine import build_engine_kwargs, build_tensorizer_kwargs
 from preshard.dataplane.vllm_worker import EXTENSION_QUALNAME
 from preshard_devenv import cpuengine
@@ -115,8 +116,9 @@ def test_part_size_grows_only_past_ten_thousand_parts() -> None:
     assert -(-huge // size) <= MAX_PARTS
 
 
-def test_crc32_header_is_s3s_encoding() -> None:
-    assert crc32_header(b"hello") == "NhCmhg=="
+def test_crc64nvme_and_its_header_are_s3s() -> None:
+    assert crc64nvme(b"123456789") == 0xAE8B14860A799888
+    assert s3_header(crc64nvme(b"hello")) == "M3eFcAZSQlc="
 
 
 def test_retry_delays_grow_and_stay_bounded() -> None:
@@ -253,7 +255,7 @@ def test_redact_hides_secrets_from_the_environment(monkeypatch: pytest.MonkeyPat
             ["HF_TOKEN", "AWS_ENDPOINT_URL_S3", "30  InsufficientScratch", "--scratch-dir"],
         ),
         ("verify", ["AWS_SECRET_ACCESS_KEY", "14  TPMismatch", "13  HashMismatch", "--deep"]),
-        ("fetch-config", ["sha256", "11  ShardMissing", "20  AccessDenied"]),
+        ("fetch-config", ["checksum", "11  ShardMissing", "20  AccessDenied"]),
         ("delete", ["s3://b/p/key2/", "21  Unreachable"]),
     ],
 )

@@ -115,11 +115,11 @@ class StoredSet:
     manifest: dict[str, object]
     rank_files: list[Path]
 
-    def sha256(self) -> dict[str, str]:
-        """Each rank file's sha256 as the manifest records it."""
+    def checksums(self) -> dict[str, str]:
+        """Each rank file's CRC64/NVME as the manifest records it."""
         files = self.manifest["files"]
         assert isinstance(files, list)
-        return {f["name"]: f["sha256"] for f in files if f["kind"] == "shard"}
+        return {f["name"]: f["crc64nvme"] for f in files if f["kind"] == "shard"}
 
 
 def fetch_set(

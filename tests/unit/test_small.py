@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
+from typing import Literal
 
 import pytest
 
@@ -23,6 +25,8 @@ from preshard.contract.outcome import (
 from preshard.controller import conditions
 from preshard.dataplane.manifest import Manifest, ManifestFile
 from preshard.settings import Settings, SettingsError
+
+CRC_OF_HELLO = "3377857006524257"  # CRC64/NVME of b"hello"
 
 SPEC = {
     "model": {"id": "org/model", "revision": "abc"},
@@ -179,9 +183,9 @@ def test_exit_codes_are_distinct_per_failure() -> None:
     assert exit_code(reasons.UNREACHABLE) not in PERMANENT_EXIT_CODES
 
 
-def test_manifest_shape() -> None:
-    digest = "0" * 64
-    manifest = Manifest(
+def _manifest(*files: ManifestFile, format_version: Literal[1, 2] = 2) -> Manifest:
+    return Manifest(
+        format_version=format_version,
         artifact_key="k",
         model="org/model",
         tensor_parallel_size=2,
@@ -190,15 +194,50 @@ def test_manifest_shape() -> None:
         tensorizer_version="2.10.1",
         encrypted=False,
         created="2026-12-01T00:00:00Z",
-        files=(
-            ManifestFile(name="model-rank-001.tensors", size=5, sha256=digest, kind="shard"),
-            ManifestFile(name="model-rank-000.tensors", size=5, sha256=digest, kind="shard"),
-            ManifestFile(name="config.json", size=2, sha256=digest, kind="config"),
-        ),
+        files=files,
+    )
+
+
+def test_manifest_shape() -> None:
+    manifest = _manifest(
+        ManifestFile(name="model-rank-001.tensors", size=5, crc64nvme=CRC_OF_HELLO, kind="shard"),
+        ManifestFile(name="model-rank-000.tensors", size=5, crc64nvme=CRC_OF_HELLO, kind="shard"),
+        ManifestFile(name="config.json", size=2, crc64nvme="0" * 16, kind="config"),
     )
     assert [f.name for f in manifest.shards] == manifest.expected_shard_names()
     assert manifest.total_bytes == 12
     stored = json.loads(manifest.to_json())
-    assert stored["formatVersion"] == 1
+    assert stored["formatVersion"] == 2
     assert stored["tensorParallelSize"] == 2
+    assert stored["files"][0] == {
+        "name": "model-rank-001.tensors",
+        "size": 5,
+        "crc64nvme": CRC_OF_HELLO,
+        "kind": "shard",
+    }
     assert Manifest.model_validate_json(manifest.to_json()) == manifest
+    assert manifest.shards[0].checksum == ("crc64nvme", CRC_OF_HELLO)
+    assert manifest.shards[0].matches_bytes(b"hello")
+    assert not manifest.shards[0].matches_bytes(b"hellO")
+
+
+def test_a_format_1_manifest_is_checked_by_its_sha256() -> None:
+    sha = hashlib.sha256(b"hello").hexdigest()
+    entry = ManifestFile(name="model-rank-000.tensors", size=5, sha256=sha, kind="shard")
+    text = _manifest(entry, format_version=1).to_json()
+    assert json.loads(text)["files"][0] == {
+        "name": "model-rank-000.tensors",
+        "size": 5,
+        "sha256": sha,
+        "kind": "shard",
+    }
+    parsed = Manifest.model_validate_json(text)
+    assert parsed.format_version == 1
+    assert parsed.shards[0].checksum == ("sha256", sha)
+    assert parsed.shards[0].matches_bytes(b"hello")
+    assert not parsed.shards[0].matches_bytes(b"hellO")
+
+
+def test_a_manifest_file_without_a_checksum_is_refused() -> None:
+    with pytest.raises(ValueError, match="neither a crc64nvme nor a sha256"):
+        ManifestFile(name="model-rank-000.tensors", size=5, kind="shard")

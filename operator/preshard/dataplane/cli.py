@@ -180,7 +180,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Read the rank files of the verified shard set at SRC_URI (made for TP N) and\n"
             "write the set vLLM itself would write for TP M: the same tensor names, shapes,\n"
             "dtypes and bytes in every rank file, without a GPU or vLLM. The rank files and\n"
-            "config files are downloaded to DIR/source (each checked against its sha256), the\n"
+            "config files are downloaded to DIR/source (each checked against its checksum), the\n"
             "new rank files written to DIR/shards one tensor at a time, then stored at --dest\n"
             "with the config files and a manifest.json, written last, that names the source.\n"
             "LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM models in float32,\n"
@@ -222,7 +222,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "Check the shard set at URI: manifest.json present and valid, made for TP N with\n"
             "N rank files, every listed file present with its recorded size (one GET, one\n"
-            "LIST); with --deep also re-hash every file against its recorded sha256."
+            "LIST); with --deep also re-read every file against its recorded checksum."
         ),
         epilog=_COMMON_ENV
         + "\n"
@@ -233,7 +233,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     verify.add_argument("uri", metavar="URI", nargs="?", help="s3://bucket/prefix/KEY/")
     verify.add_argument("--tensor-parallel-size", metavar="N", help="expected TP size (required)")
     verify.add_argument("--artifact-key", metavar="KEY", help="expected artifact key")
-    verify.add_argument("--deep", action="store_true", help="also check every file's sha256")
+    verify.add_argument("--deep", action="store_true", help="also check every file's checksum")
     verify.set_defaults(run=_run_verify)
 
     fetch = subparsers.add_parser(
@@ -244,7 +244,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         usage="preshard fetch-config URI DIR [--tensorizer-dir DIR] [common options]",
         description=(
             "Check that the shard set at URI is complete (sizes), then copy its non-weight\n"
-            "files (config, tokenizer, ...) into DIR, checking each file's sha256. Never the\n"
+            "files (config, tokenizer, ...) into DIR, checking each file's checksum. Never the\n"
             "weights: vLLM streams those from S3. DIR becomes vLLM's model directory.\n"
             "With --tensorizer-dir, also copy the tensorizer this image bundles there, for a\n"
             "vLLM image without it (the stock vllm/vllm-openai image has none)."

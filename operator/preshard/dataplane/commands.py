@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Final
 from preshard.contract import reasons
 from preshard.contract.layout import MANIFEST_NAME, S3Location
 from preshard.contract.outcome import Command, Outcome
-from preshard.dataplane.download import PARTIAL_SUFFIX, local_path, stream_sha256
+from preshard.dataplane.download import PARTIAL_SUFFIX, local_path, stream_digest
 from preshard.dataplane.errors import DataplaneError, classify_s3_error
 from preshard.dataplane.logs import human_bytes, logger
 from preshard.dataplane.manifest import ManifestFile
@@ -53,7 +53,7 @@ def verify(
     if deep:
         deep_check(client, checked, concurrency=CHECK_CONCURRENCY)
     manifest = checked.manifest
-    how = "sizes and sha256" if deep else "sizes"
+    how = "sizes and checksums" if deep else "sizes"
     message = (
         f"complete: {len(manifest.files)} files, {human_bytes(manifest.total_bytes)}, "
         f"TP {manifest.tensor_parallel_size} ({how} checked)"
@@ -69,7 +69,8 @@ def fetch_config(
     *,
     tensorizer_dir: Path | None = None,
 ) -> Outcome:
-    """Copy the non-weight files of a complete shard set into `directory`, sha256-checked.
+    """Copy the non-weight files of a complete shard set into `directory`, each checked
+    against its manifest checksum.
 
     With `tensorizer_dir`, also copy this image's tensorizer bundle there: the stock vLLM
     image has no tensorizer, and the patched container finds it on its `PYTHONPATH`.
@@ -86,8 +87,9 @@ def fetch_config(
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + PARTIAL_SUFFIX)
         try:
-            sha, size = stream_sha256(client, location, entry.name, target=partial)
-            if sha != entry.sha256 or size != entry.size:
+            algorithm, expected = entry.checksum
+            digest, size = stream_digest(client, location, entry.name, algorithm, target=partial)
+            if digest != expected or size != entry.size:
                 raise DataplaneError(
                     reasons.HASH_MISMATCH,
                     f"{entry.name} under {location.uri} does not match its manifest entry",

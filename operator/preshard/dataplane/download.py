@@ -8,7 +8,6 @@ name always has all its bytes (a re-run skips it when the size matches).
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import os
 import threading
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Final
 
 from preshard.contract import reasons
 from preshard.contract.layout import S3Location
+from preshard.dataplane.checksums import Algorithm, new_hasher
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.logs import Progress, human_bytes, logger
 from preshard.dataplane.s3 import RetryPolicy, call_with_retries
@@ -153,22 +153,23 @@ def _fetch_range(
     progress.add(len(data))
 
 
-def stream_sha256(
+def stream_digest(
     client: S3Client,
     location: S3Location,
     name: str,
+    algorithm: Algorithm,
     *,
     target: Path | None = None,
     policy: RetryPolicy | None = None,
 ) -> tuple[str, int]:
-    """The sha256 and size of an object, read as one stream; also written to `target` if given.
+    """The digest and size of an object, read as one stream; also written to `target` if given.
 
     The whole read is retried on a transient fault, so a half-read never counts.
     """
     key = location.key(name)
 
     def read() -> tuple[str, int]:
-        digest = hashlib.sha256()
+        digest = new_hasher(algorithm)
         size = 0
         response = client.get_object(Bucket=location.bucket, Key=key)
         body = response["Body"]

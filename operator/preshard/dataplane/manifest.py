@@ -2,19 +2,30 @@
 
 A shard set without a well-formed manifest is never complete. The manifest records what the
 set was made for (TP size, vLLM and tensorizer versions, dtype, encryption on/off, never the
-key) and each file's size and sha256, so `preshard verify` can check it without a GPU. A set
+key) and each file's size and checksum, so `preshard verify` can check it without a GPU. A set
 made by `preshard reshard` also records the set it was made from.
+
+Format 2 records each file's CRC64/NVME; format 1 (sets made by earlier versions) a sha256.
+Both are read.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from preshard.contract.layout import rank_file_names
+from preshard.dataplane.checksums import (
+    CRC64NVME,
+    SHA256,
+    Algorithm,
+    digest_of_bytes,
+    digest_of_file,
+)
 
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
 
 
 class ManifestFile(BaseModel):
@@ -24,8 +35,37 @@ class ManifestFile(BaseModel):
 
     name: str = Field(min_length=1, pattern=r"^[^/]+(/[^/]+)*$")
     size: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    crc64nvme: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{16}$", exclude_if=lambda value: value is None
+    )
+    sha256: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$", exclude_if=lambda value: value is None
+    )
     kind: Literal["shard", "config"]
+
+    @model_validator(mode="after")
+    def _has_a_checksum(self) -> ManifestFile:
+        if self.crc64nvme is None and self.sha256 is None:
+            raise ValueError(f"{self.name} has neither a crc64nvme nor a sha256")
+        return self
+
+    @property
+    def checksum(self) -> tuple[Algorithm, str]:
+        """The algorithm the file is checked by, and its recorded digest."""
+        if self.crc64nvme is not None:
+            return CRC64NVME, self.crc64nvme
+        assert self.sha256 is not None  # noqa: S101 - the validator requires one of the two
+        return SHA256, self.sha256
+
+    def matches_bytes(self, body: bytes) -> bool:
+        """Whether `body` has the recorded checksum."""
+        algorithm, expected = self.checksum
+        return digest_of_bytes(body, algorithm) == expected
+
+    def matches_file(self, path: Path) -> bool:
+        """Whether the local file has the recorded checksum."""
+        algorithm, expected = self.checksum
+        return digest_of_file(path, algorithm) == expected
 
 
 class ReshardedFrom(BaseModel):
@@ -43,7 +83,7 @@ class Manifest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
-    format_version: Literal[1] = Field(default=1, alias="formatVersion")
+    format_version: Literal[1, 2] = Field(default=FORMAT_VERSION, alias="formatVersion")
     artifact_key: str = Field(alias="artifactKey", min_length=1)
     model: str = Field(min_length=1)
     revision: str | None = None

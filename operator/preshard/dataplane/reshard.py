@@ -6,10 +6,10 @@ The steps, each failing early with its own reason:
    once; a manifest that does not is removed first, so a set being rewritten never looks
    complete;
 2. the source: its manifest and file sizes (`verify`), its encryption against the key given,
-   and its `config.json` (sha256-checked), from which `preshard.dataplane.tp_layout` says
+   and its `config.json` (checksum-checked), from which `preshard.dataplane.tp_layout` says
    whether it can reproduce vLLM's layout at TP M (`ReshardUnsupported` when not);
 3. the scratch room, then the download of the rank files and config files into
-   `<scratch>/source/`, each checked against its sha256 in the manifest;
+   `<scratch>/source/`, each checked against its checksum in the manifest;
 4. the reshard into `<scratch>/shards/`, one tensor at a time (`reshard_tensors`);
 5. the upload of the new rank files and the source's config files, then the manifest, last,
    recording the set it was made from.
@@ -18,7 +18,6 @@ The steps, each failing early with its own reason:
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import json
 import resource
 import shutil
@@ -46,7 +45,7 @@ from preshard.dataplane.serialize import (
 )
 from preshard.dataplane.shardset import CheckedSet, check_shard_set, set_outcome
 from preshard.dataplane.tp_layout import ModelShape, UnsupportedLayoutError, model_shape
-from preshard.dataplane.upload import LocalFile, TransferSettings, sha256_of_file
+from preshard.dataplane.upload import LocalFile, TransferSettings
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -148,7 +147,8 @@ def reshard(options: ReshardOptions, clients: S3Clients) -> Outcome:
             "encrypted": manifest.encrypted,
             "created": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
             "files": [
-                ManifestFile(name=s.name, size=s.size, sha256=s.sha256, kind=s.kind) for s in stored
+                ManifestFile(name=s.name, size=s.size, crc64nvme=s.crc64nvme, kind=s.kind)
+                for s in stored
             ],
             "reshardedFrom": ReshardedFrom(
                 uri=source.uri, artifact_key=manifest.artifact_key, tensor_parallel_size=source_tp
@@ -202,7 +202,7 @@ def _layout(client: S3Client, checked: CheckedSet, source_tp: int, tp: int) -> M
             f"{checked.location.uri} has no {CONFIG_NAME}; the layout cannot be known without it",
         )
     body = get_small_object(client, checked.location, CONFIG_NAME)
-    if body is None or hashlib.sha256(body).hexdigest() != entry.sha256:
+    if body is None or not entry.matches_bytes(body):
         raise DataplaneError(
             reasons.HASH_MISMATCH,
             f"{checked.location.uri}{CONFIG_NAME} does not match its manifest entry",
@@ -226,7 +226,7 @@ def _layout(client: S3Client, checked: CheckedSet, source_tp: int, tp: int) -> M
 
 
 def _download(client: S3Client, checked: CheckedSet, directory: Path, concurrency: int) -> None:
-    """Fetch every file of the set into `directory` and check each against its sha256."""
+    """Fetch every file of the set into `directory` and check each against its checksum."""
     files = checked.manifest.files
     download_files(
         client,
@@ -237,7 +237,7 @@ def _download(client: S3Client, checked: CheckedSet, directory: Path, concurrenc
     )
 
     def check(entry: ManifestFile) -> str | None:
-        if sha256_of_file(local_path(directory, entry.name)) == entry.sha256:
+        if entry.matches_file(local_path(directory, entry.name)):
             return None
         local_path(directory, entry.name).unlink()
         return entry.name
@@ -247,10 +247,10 @@ def _download(client: S3Client, checked: CheckedSet, directory: Path, concurrenc
     if bad:
         raise DataplaneError(
             reasons.HASH_MISMATCH,
-            f"{checked.location.uri} has files whose sha256 differs from the manifest: "
+            f"{checked.location.uri} has files whose checksum differs from the manifest: "
             f"{', '.join(bad[:5])}",
         )
-    logger().info("checked %d files against their sha256", len(files))
+    logger().info("checked %d files against their checksums", len(files))
 
 
 def _reshard_files(

@@ -67,7 +67,7 @@ def make_client(
     `addressing_style`: `path`, `virtual` or boto3's own choice (`auto`).
 
     `sign_payloads=False` is for the uploader's client, whose objects and parts each carry a
-    CRC32 header the server checks: botocore would otherwise also hash every body with SHA-256
+    CRC64/NVME header the server checks: botocore would otherwise also hash every body with SHA-256
     for the signature (over https too: it does not count a checksum passed as a parameter), and
     the server would hash it again. Measured against the test server, that hash is about a
     fifth of the uploader's own CPU time (`docs/performance.md`).

@@ -155,7 +155,8 @@ def serialize(
             "encrypted": key is not None,
             "created": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
             "files": [
-                ManifestFile(name=s.name, size=s.size, sha256=s.sha256, kind=s.kind) for s in stored
+                ManifestFile(name=s.name, size=s.size, crc64nvme=s.crc64nvme, kind=s.kind)
+                for s in stored
             ],
         }
     )

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from preshard.contract import reasons
 from preshard.contract.layout import MANIFEST_NAME, S3Location
 from preshard.contract.outcome import Command, Outcome
-from preshard.dataplane.download import stream_sha256
+from preshard.dataplane.download import stream_digest
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.logs import human_bytes, logger
 from preshard.dataplane.manifest import Manifest, ManifestFile
@@ -107,26 +107,27 @@ def _check_layout(
 
 
 def deep_check(client: S3Client, checked: CheckedSet, *, concurrency: int) -> None:
-    """Re-hash every file of a checked set; `HashMismatch` names the files that differ."""
+    """Re-checksum every file of a checked set; `HashMismatch` names the files that differ."""
     files = checked.manifest.files
     logger().info(
-        "hashing %d files (%s) of %s",
+        "checksumming %d files (%s) of %s",
         len(files),
         human_bytes(checked.manifest.total_bytes),
         checked.location.uri,
     )
 
-    def digest(entry: ManifestFile) -> tuple[ManifestFile, str]:
-        sha, _ = stream_sha256(client, checked.location, entry.name)
-        return entry, sha
+    def matches(entry: ManifestFile) -> bool:
+        algorithm, expected = entry.checksum
+        digest, _ = stream_digest(client, checked.location, entry.name, algorithm)
+        return digest == expected
 
     with concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="s3-hash") as pool:
-        results = list(pool.map(digest, files))
-    bad = [entry.name for entry, sha in results if sha != entry.sha256]
+        results = list(pool.map(matches, files))
+    bad = [entry.name for entry, ok in zip(files, results, strict=True) if not ok]
     if bad:
         raise DataplaneError(
             reasons.HASH_MISMATCH,
-            f"{checked.location.uri} has files whose sha256 differs from the manifest: "
+            f"{checked.location.uri} has files whose checksum differs from the manifest: "
             f"{_name_some(bad)}",
         )
 

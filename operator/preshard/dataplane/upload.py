@@ -1,22 +1,21 @@
-"""Parallel multipart upload of a shard set's files, hashing while the bytes are read.
+"""Parallel multipart upload of a shard set's files, checksummed once as they are sent.
 
 One pool of network threads (`concurrency`) carries every part of every file; a few reader
-threads read files part by part, feed the whole-file sha256 as they go and hand each part to
-the pool, so every byte is read from disk once. A byte budget bounds the parts in memory to
-about `(concurrency + readers) x part size`. Each part carries a CRC32 header the server
-checks where it supports checksums, is retried with backoff on its own, and a failed file
-aborts its multipart upload. The sha256 is only known once the last part was read, after the
-object's metadata was fixed at `CreateMultipartUpload`, so it is stored as an object tag
-(`preshard-sha256`) after completion; a re-run skips objects whose tag and size match.
+threads read files part by part and hand each part to the pool, so every byte is read from
+disk once. A byte budget bounds the parts in memory to about `(concurrency + readers) x part
+size`. The network thread takes each part's CRC64/NVME and sends it as the part's checksum
+header, which the server checks where it supports checksums; the parts' values combine into
+the whole file's (`preshard.dataplane.checksums`), which the manifest records. Each part is
+retried with backoff on its own, and a failed file aborts its multipart upload. The file's
+checksum is only known once the last part was sent, after the object's metadata was fixed at
+`CreateMultipartUpload`, so it is stored as an object tag (`preshard-crc64nvme`) after
+completion; a re-run skips objects whose tag and size match.
 """
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
-import hashlib
 import threading
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from preshard.contract import reasons
 from preshard.contract.layout import S3Location
+from preshard.dataplane.checksums import CRC64NVME, Crc64Nvme, crc64nvme, digest_of_file, s3_header
 from preshard.dataplane.errors import DataplaneError, classify_s3_error, s3_error_code
 from preshard.dataplane.logs import Progress, human_bytes, logger
 from preshard.dataplane.s3 import RetryPolicy, call_with_retries
@@ -38,8 +38,7 @@ MAX_PART_SIZE: Final = 5 * 1024 * MIB
 MAX_PARTS: Final = 10_000
 DEFAULT_PART_SIZE: Final = 32 * MIB
 DEFAULT_CONCURRENCY: Final = 16
-SHA256_TAG: Final = "preshard-sha256"
-HASH_CHUNK: Final = 8 * MIB
+CHECKSUM_TAG: Final = "preshard-crc64nvme"
 
 FileKind = Literal["shard", "config"]
 
@@ -64,7 +63,7 @@ class StoredFile:
 
     name: str
     size: int
-    sha256: str
+    crc64nvme: str
     kind: FileKind
     uploaded: bool
 
@@ -84,20 +83,6 @@ def part_size_for(file_size: int, part_size: int) -> int:
     needed = -(-file_size // MAX_PARTS)
     needed = -(-needed // MIB) * MIB
     return max(part_size, needed)
-
-
-def crc32_header(data: bytes) -> str:
-    """The base64 big-endian CRC32 that S3's `x-amz-checksum-crc32` header carries."""
-    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
-
-
-def sha256_of_file(path: Path) -> str:
-    """The sha256 of a local file, read in large chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class _CancelledError(Exception):
@@ -198,17 +183,17 @@ class Uploader:
         return stored
 
     def _reuse(self, local: LocalFile, size: int) -> StoredFile | None:
-        stored_sha = self._read_tag(local.name)
-        if stored_sha is None:
+        stored_checksum = self._read_tag(local.name)
+        if stored_checksum is None:
             return None
-        sha = sha256_of_file(local.path)
-        if sha != stored_sha:
+        checksum = digest_of_file(local.path, CRC64NVME)
+        if checksum != stored_checksum:
             return None
-        logger().info("%s is already stored with the same size and sha256; skipping", local.name)
+        logger().info("%s is already stored with the same size and checksum; skipping", local.name)
         assert self._progress is not None  # noqa: S101 - set by upload()
         self._progress.add(size)
         self._progress.file_done()
-        return StoredFile(local.name, size, sha, local.kind, uploaded=False)
+        return StoredFile(local.name, size, checksum, local.kind, uploaded=False)
 
     def _put_whole(self, local: LocalFile, size: int) -> StoredFile:
         self._acquire_budget()
@@ -217,7 +202,7 @@ class Uploader:
         except BaseException:
             self._budget.release()
             raise
-        sha = hashlib.sha256(data).hexdigest()
+        crc = crc64nvme(data)
         key = self._location.key(local.name)
 
         def put() -> None:
@@ -227,7 +212,7 @@ class Uploader:
                         Bucket=self._location.bucket,
                         Key=key,
                         Body=data,
-                        ChecksumCRC32=crc32_header(data),
+                        ChecksumCRC64NVME=s3_header(crc),
                     ),
                     what=f"uploading {local.name}",
                     policy=self._settings.retry,
@@ -244,13 +229,13 @@ class Uploader:
             raise DataplaneError(
                 reasons.SERIALIZATION_FAILED, f"{local.name} changed size while it was uploaded"
             )
-        return StoredFile(local.name, size, sha, local.kind, uploaded=True)
+        return StoredFile(local.name, size, f"{crc:016x}", local.kind, uploaded=True)
 
     def _put_multipart(self, local: LocalFile, size: int, part_size: int) -> StoredFile:
         key = self._location.key(local.name)
         created = call_with_retries(
             lambda: self._client.create_multipart_upload(
-                Bucket=self._location.bucket, Key=key, ChecksumAlgorithm="CRC32"
+                Bucket=self._location.bucket, Key=key, ChecksumAlgorithm="CRC64NVME"
             ),
             what=f"starting the upload of {local.name}",
             policy=self._settings.retry,
@@ -258,7 +243,7 @@ class Uploader:
         )
         upload_id = created["UploadId"]
         try:
-            parts, sha, read = self._send_parts(local, key, upload_id, part_size)
+            parts, checksum, read = self._send_parts(local, key, upload_id, part_size)
             if read != size:
                 raise DataplaneError(
                     reasons.SERIALIZATION_FAILED, f"{local.name} changed size while it was uploaded"
@@ -278,14 +263,13 @@ class Uploader:
             self._stop.set()
             self._abort(key, upload_id, local.name)
             raise
-        return StoredFile(local.name, size, sha, local.kind, uploaded=True)
+        return StoredFile(local.name, size, checksum, local.kind, uploaded=True)
 
     def _send_parts(
         self, local: LocalFile, key: str, upload_id: str, part_size: int
     ) -> tuple[list[CompletedPartTypeDef], str, int]:
         assert self._network is not None  # noqa: S101 - set by upload()
-        digest = hashlib.sha256()
-        futures: list[concurrent.futures.Future[CompletedPartTypeDef]] = []
+        futures: list[concurrent.futures.Future[tuple[CompletedPartTypeDef, int, int]]] = []
         read = 0
         with local.path.open("rb") as fh:
             number = 0
@@ -299,7 +283,6 @@ class Uploader:
                 if not data:
                     self._budget.release()
                     break
-                digest.update(data)
                 read += len(data)
                 number += 1
                 futures.append(
@@ -314,13 +297,21 @@ class Uploader:
             raise failure
         if self._stop.is_set():
             raise _CancelledError
-        return [f.result() for f in futures], digest.hexdigest(), read
+        whole = Crc64Nvme()
+        parts = []
+        for future in futures:
+            part, crc, length = future.result()
+            whole.add_part(crc, length)
+            parts.append(part)
+        return parts, whole.hexdigest(), read
 
     def _send_part(
         self, key: str, upload_id: str, number: int, data: bytes, name: str
-    ) -> CompletedPartTypeDef:
+    ) -> tuple[CompletedPartTypeDef, int, int]:
+        """Send one part with its CRC64/NVME; returns the completed part, that CRC and the
+        part's length, from which the whole file's checksum is combined."""
         try:
-            checksum = crc32_header(data)
+            crc = crc64nvme(data)
             response = call_with_retries(
                 lambda: self._client.upload_part(
                     Bucket=self._location.bucket,
@@ -328,7 +319,7 @@ class Uploader:
                     UploadId=upload_id,
                     PartNumber=number,
                     Body=data,
-                    ChecksumCRC32=checksum,
+                    ChecksumCRC64NVME=s3_header(crc),
                 ),
                 what=f"uploading part {number} of {name}",
                 policy=self._settings.retry,
@@ -345,9 +336,9 @@ class Uploader:
         part: CompletedPartTypeDef = {"PartNumber": number, "ETag": response["ETag"]}
         # A server without checksum support neither checks nor echoes the header; completing
         # with a checksum it never recorded would be refused.
-        if response.get("ChecksumCRC32"):
-            part["ChecksumCRC32"] = response["ChecksumCRC32"]
-        return part
+        if response.get("ChecksumCRC64NVME"):
+            part["ChecksumCRC64NVME"] = response["ChecksumCRC64NVME"]
+        return part, crc, len(data)
 
     def _acquire_budget(self) -> None:
         while not self._budget.acquire(timeout=0.5):
@@ -379,7 +370,7 @@ class Uploader:
                 lambda: self._client.put_object_tagging(
                     Bucket=self._location.bucket,
                     Key=self._location.key(stored.name),
-                    Tagging={"TagSet": [{"Key": SHA256_TAG, "Value": stored.sha256}]},
+                    Tagging={"TagSet": [{"Key": CHECKSUM_TAG, "Value": stored.crc64nvme}]},
                 ),
                 what=f"tagging {stored.name}",
                 policy=RetryPolicy(attempts=3, base_delay_s=0.5),
@@ -402,7 +393,7 @@ class Uploader:
             self._tag_failed(exc.reason, f"read the tags of {name}")
             return None
         for tag in response.get("TagSet", []):
-            if tag.get("Key") == SHA256_TAG:
+            if tag.get("Key") == CHECKSUM_TAG:
                 return str(tag.get("Value"))
         return None
 
