@@ -13,6 +13,8 @@ measurements taken a minute apart on the same machine:
   the object tags and the manifest).
 - **boto3**: the rank files preshard just wrote, uploaded one after another with boto3's
   managed `upload_file` and its default `TransferConfig` (what a script would do).
+- **CRT**: the same rank files through the AWS CRT's transfer client (`boto3[crt]`), all
+  submitted at once: the C transfer engine boto3 picks on instance types AWS optimises for.
 - **tensorizer**: each rank's tensors, cut by the same code as the engine, written by
   `TensorSerializer` straight to `s3://` through `tensorizer.stream_io.open_stream(..., "wb")`:
   tensorizer writes a temporary file and uploads it with boto3's `upload_file` when the stream
@@ -81,13 +83,15 @@ OVER_TENSORIZER_TARGET: Final = 1.0
 PRESHARD: Final = "preshard"
 PRESHARD_SIGNED: Final = "preshard-signed"
 BOTO3: Final = "boto3"
+CRT: Final = "crt"
 TENSORIZER: Final = "tensorizer"
 LIMIT: Final = "limit"
-METHODS: Final = (PRESHARD, PRESHARD_SIGNED, BOTO3, TENSORIZER, LIMIT)
+METHODS: Final = (PRESHARD, PRESHARD_SIGNED, BOTO3, CRT, TENSORIZER, LIMIT)
 LABELS: Final = {
     PRESHARD: "preshard serialize",
     PRESHARD_SIGNED: "preshard, signed payloads",
     BOTO3: "A: boto3 upload_file",
+    CRT: "C: CRT transfer client",
     TENSORIZER: "B: tensorizer to s3://",
     LIMIT: "limit (best setting)",
 }
@@ -244,7 +248,7 @@ def run_preshard(
     """`preshard serialize` in this process with the timed CPU engine; its phases.
 
     `sign_payloads` makes its uploader's client sign every payload with SHA-256, as it did
-    before it relied on its CRC32 headers alone: the change this comparison justifies.
+    before it relied on its checksum headers alone: the change this comparison justifies.
     """
     shutil.rmtree(scratch / "shards", ignore_errors=True)
     times = scratch / ENGINE_TIMES
@@ -302,6 +306,41 @@ def run_boto3(client: S3Client, files: Sequence[Path], bucket: str, prefix: str)
     watch, cpu = common.Stopwatch(), time.process_time()
     for path in files:
         client.upload_file(str(path), bucket, f"{prefix}/{path.name}")
+    return Timing(upload_s=watch.elapsed, client_cpu_s=time.process_time() - cpu)
+
+
+def run_crt(endpoint: str | None, files: Sequence[Path], bucket: str, prefix: str) -> Timing:
+    """The AWS CRT's transfer client (`boto3[crt]`): s3transfer's `CRTTransferManager` with
+    its defaults, every file submitted at once.
+
+    Built directly rather than through `upload_file(Config=TransferConfig(
+    preferred_transfer_client="crt"))`: boto3 makes its CRT client with TLS always on and no
+    endpoint, which cannot reach a plain-http server such as the test one.
+    """
+    import botocore.session  # noqa: PLC0415 - only this method uses the CRT
+    from s3transfer.crt import (  # noqa: PLC0415
+        BotocoreCRTCredentialsWrapper,
+        BotocoreCRTRequestSerializer,
+        CRTTransferManager,
+        create_s3_crt_client,
+    )
+
+    session = botocore.session.get_session()
+    region = session.get_config_variable("region") or "us-east-1"
+    credentials = BotocoreCRTCredentialsWrapper(session.get_credentials())
+    crt_client = create_s3_crt_client(
+        region,
+        crt_credentials_provider=credentials.to_crt_credentials_provider(),
+        use_ssl=not (endpoint or "").startswith("http://"),
+    )
+    serializer = BotocoreCRTRequestSerializer(
+        session, {"region_name": region, "endpoint_url": endpoint}
+    )
+    watch, cpu = common.Stopwatch(), time.process_time()
+    with CRTTransferManager(crt_client, serializer) as manager:
+        futures = [manager.upload(str(p), bucket, f"{prefix}/{p.name}") for p in files]
+        for future in futures:
+            future.result()
     return Timing(upload_s=watch.elapsed, client_cpu_s=time.process_time() - cpu)
 
 
@@ -446,7 +485,8 @@ class Round:
         self.shards = plan.scratch / "shards"
 
     def methods(self) -> list[Method]:
-        """preshard, boto3, every limit setting and tensorizer, rotated by the round number."""
+        """preshard, boto3, the CRT, every limit setting and tensorizer, rotated by the round
+        number."""
         store, tp = self.plan.store, self.tensor_parallel_size
         bucket = store.bucket
 
@@ -472,6 +512,7 @@ class Round:
             Method(
                 BOTO3, None, lambda prefix: run_boto3(store.client(), self.files(), bucket, prefix)
             ),
+            Method(CRT, None, lambda prefix: run_crt(store.endpoint, self.files(), bucket, prefix)),
             *(
                 Method(
                     LIMIT,
@@ -680,7 +721,9 @@ def paired_ratios(rounds: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict
         ),
         "preshard_over_tensorizer": over(total(PRESHARD), total(TENSORIZER)),
         "preshard_upload_over_boto3": over(upload(PRESHARD), upload(BOTO3)),
+        "preshard_upload_over_crt": over(upload(PRESHARD), upload(CRT)),
         "boto3_over_limit": over(upload(BOTO3), upload(LIMIT)),
+        "crt_over_limit": over(upload(CRT), upload(LIMIT)),
         "tensorizer_upload_over_limit": over(upload(TENSORIZER), upload(LIMIT)),
     }
 
@@ -760,7 +803,10 @@ def print_report(summary: dict[str, Any]) -> None:
         "preshard upload / limit": "preshard_upload_over_limit",
         "preshard / (engine + limit)": "preshard_over_engine_plus_limit",
         "preshard / tensorizer": "preshard_over_tensorizer",
+        "preshard / A upload": "preshard_upload_over_boto3",
+        "preshard / C upload": "preshard_upload_over_crt",
         "A / limit": "boto3_over_limit",
+        "C / limit": "crt_over_limit",
         "B upload / limit": "tensorizer_upload_over_limit",
         "signed / preshard upload": "signed_upload_over_preshard",
     }

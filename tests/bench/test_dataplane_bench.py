@@ -61,6 +61,7 @@ def test_a_smoke_run_of_making_shards_times_every_method(
         for method, setting in [
             ("preshard", None),
             ("boto3", None),
+            ("crt", None),
             ("tensorizer", None),
             ("limit", "2x8MiB"),
             ("limit", "4x16MiB"),
@@ -73,7 +74,7 @@ def test_a_smoke_run_of_making_shards_times_every_method(
         assert run["server_cpu_s"] is None  # not the benchmark's own server
         assert (run["engine_s"] > 0) == (run["method"] in ("preshard", "tensorizer"))
     methods = {(m["tensor_parallel_size"], m["method"]): m for m in results["methods"]}
-    assert len(methods) == 8
+    assert len(methods) == 10
     assert all(m["upload_s"]["min"] <= m["upload_s"]["median"] for m in methods.values())
     assert [r["tensor_parallel_size"] for r in results["ratios"]] == [1, 2]
     assert results["ratios"][0]["preshard_upload_over_limit"]["median"] > 0
@@ -164,6 +165,7 @@ def test_the_limit_is_the_setting_with_the_fastest_median_and_ratios_are_paired(
     rows = [
         row("preshard", 1, 11.0), row("preshard", 2, 22.0),
         row("boto3", 1, 12.0), row("boto3", 2, 24.0),
+        row("crt", 1, 11.0), row("crt", 2, 20.0),
         row("tensorizer", 1, 15.0), row("tensorizer", 2, 30.0),
         # 8x32 has the single fastest round; 4x64 the fastest median.
         row("limit", 1, 10.0, "4x64MiB"), row("limit", 2, 20.0, "4x64MiB"),
@@ -174,6 +176,7 @@ def test_the_limit_is_the_setting_with_the_fastest_median_and_ratios_are_paired(
     (ratios,) = summary["ratios"]
     assert ratios["preshard_upload_over_limit"] == {"median": 1.1, "min": 1.1, "max": 1.1}
     assert ratios["preshard_over_tensorizer"]["median"] == pytest.approx((12 / 16 + 23 / 31) / 2)
+    assert ratios["preshard_upload_over_crt"] == {"median": 1.05, "min": 1.0, "max": 1.1}
     targets = summary["targets"]
     assert targets["preshard_upload_within_limit"]["met"]
     assert targets["preshard_faster_than_tensorizer"]["met"]
