@@ -30,6 +30,7 @@ from preshard_devenv.s3server import S3Server, create_bucket, start_s3_server
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
     from mypy_boto3_s3.type_defs import ObjectIdentifierTypeDef
+    from s3transfer.crt import CRTTransferManager
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 RESULTS_DIR: Final = ROOT / "benchmarks" / "results"
@@ -275,6 +276,36 @@ class S3Store:
         url = f"http://127.0.0.1:{port}/vol/vacuum?garbageThreshold=0.001"
         with urllib.request.urlopen(url, timeout=1800) as response:
             response.read()
+
+
+def crt_transfer_manager(endpoint: str | None) -> CRTTransferManager:
+    """s3transfer's transfer manager over the AWS CRT's S3 client (`boto3[crt]`), defaults
+    otherwise; credentials and region from boto3's usual chain.
+
+    Built here rather than through `TransferConfig(preferred_transfer_client="crt")`: boto3
+    makes its CRT client with TLS always on and no endpoint, which cannot reach a plain-http
+    server such as the test one.
+    """
+    import botocore.session  # noqa: PLC0415 - only the CRT baselines need it
+    from s3transfer.crt import (  # noqa: PLC0415
+        BotocoreCRTCredentialsWrapper,
+        BotocoreCRTRequestSerializer,
+        CRTTransferManager,
+        create_s3_crt_client,
+    )
+
+    session = botocore.session.get_session()
+    region = session.get_config_variable("region") or "us-east-1"
+    credentials = BotocoreCRTCredentialsWrapper(session.get_credentials())
+    crt_client = create_s3_crt_client(
+        region,
+        crt_credentials_provider=credentials.to_crt_credentials_provider(),
+        use_ssl=not (endpoint or "").startswith("http://"),
+    )
+    serializer = BotocoreCRTRequestSerializer(
+        session, {"region_name": region, "endpoint_url": endpoint}
+    )
+    return CRTTransferManager(crt_client, serializer)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,14 @@ to an S3 server. Then, in each of `--repeats` rounds, one after another:
   encryption=None, num_readers=k)`, every tensor loaded (no lazy loading, vLLM's way); no
   buffer size is passed (tensorizer's default). Here the device is the CPU; on a node it is
   the rank's GPU.
+- **downloads to memory**: the object into a file on a memory-backed directory
+  (`--prefetch-dir`, `/dev/shm` by default, what an `emptyDir` with `medium: Memory` is), by
+  preshard's own ranged GETs (`preshard.dataplane.download`, 16 connections of 32 MiB
+  ranges), boto3's `download_file` (its defaults), and the AWS CRT's transfer client
+  (`boto3[crt]`).
+- **prefetch, then tensorizer from the file**: what an init container that prefetches the rank
+  file would give: preshard's download into memory, then `TensorDeserializer` on the local
+  file (`num_readers` of `--prefetch-readers`); the sum of both is the load's time.
 - **safetensors, local disk**: the same tensors as a `.safetensors` file,
   `safetensors.torch.load_file` and one copy of every tensor (`load_file` maps the file; the
   copy makes it read the bytes, as a move to a GPU would): once from the disk (the file's
@@ -49,6 +57,9 @@ from tensorizer import TensorDeserializer
 from tensorizer.stream_io import open_stream
 
 from benchmarks import common, gpu_load
+from preshard.contract.layout import S3Location
+from preshard.dataplane.download import download_files
+from preshard.dataplane.s3 import make_client
 
 NAME: Final = "load"
 SCRATCH: Final = common.ROOT / "benchmarks" / "scratch" / NAME
@@ -56,6 +67,8 @@ DEFAULT_READERS: Final = (1, 2, 4, 8, 16)
 PRESIGN_SECONDS: Final = 3600
 # A reader count counts as good as the best when its median time is within this much of it.
 GOOD_ENOUGH: Final = 1.05
+DOWNLOAD_CONNECTIONS: Final = 16
+DEFAULT_PREFETCH_READERS: Final = 8
 
 RAW: Final = "raw download"
 
@@ -79,6 +92,16 @@ class Shard:
     tensor_bytes: int
     tensors: int
     safetensors: Path
+
+    @property
+    def location(self) -> S3Location:
+        """The prefix the rank file lies under."""
+        return S3Location.parse(self.uri.rsplit("/", 1)[0])
+
+    @property
+    def name(self) -> str:
+        """The rank file's name under its prefix."""
+        return self.uri.rsplit("/", 1)[1]
 
 
 def curl_ranges(url: str, size: int, streams: int) -> float:
@@ -128,6 +151,93 @@ def tensorizer_load(uri: str, readers: int, tensor_bytes: int) -> float:
     if loaded != tensor_bytes:
         raise BenchmarkError(f"tensorizer loaded {loaded} of {tensor_bytes} tensor bytes")
     return seconds
+
+
+def tensorizer_local(path: Path, readers: int, tensor_bytes: int) -> float:
+    """Seconds to load every tensor of a local tensorizer file to the CPU."""
+    watch = common.Stopwatch()
+    with TensorDeserializer(
+        str(path),
+        dtype=gpu_load.DTYPE,
+        device="cpu",
+        verify_hash=None,
+        encryption=None,
+        num_readers=readers,
+    ) as deserializer:
+        loaded = int(deserializer.total_tensor_bytes)
+    seconds = watch.elapsed
+    if loaded != tensor_bytes:
+        raise BenchmarkError(f"tensorizer loaded {loaded} of {tensor_bytes} tensor bytes")
+    return seconds
+
+
+class Downloads:
+    """The object into a memory-backed directory, three ways; each removes what it wrote
+    unless asked to keep it."""
+
+    def __init__(self, shard: Shard, store: common.S3Store, directory: Path) -> None:
+        self.shard = shard
+        self.store = store
+        self.directory = directory
+        self.target = directory / shard.name
+
+    def _timed(self, fetch: Callable[[], object], *, keep: bool = False) -> float:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.target.unlink(missing_ok=True)
+        watch = common.Stopwatch()
+        fetch()
+        seconds = watch.elapsed
+        size = self.target.stat().st_size
+        if not keep:
+            self.target.unlink()
+        if size != self.shard.object_bytes:
+            raise BenchmarkError(f"downloaded {size} of {self.shard.object_bytes} bytes")
+        return seconds
+
+    def preshard(self, *, keep: bool = False) -> float:
+        """preshard's parallel ranged GETs."""
+        client = make_client(
+            endpoint=self.store.endpoint, region=None, max_connections=DOWNLOAD_CONNECTIONS
+        )
+        return self._timed(
+            lambda: download_files(
+                client,
+                self.shard.location,
+                {self.shard.name: self.shard.object_bytes},
+                self.directory,
+                concurrency=DOWNLOAD_CONNECTIONS,
+            ),
+            keep=keep,
+        )
+
+    def boto3(self) -> float:
+        """boto3's `download_file` with its defaults."""
+        location = self.shard.location
+        client = self.store.client()
+        return self._timed(
+            lambda: client.download_file(
+                location.bucket, location.key(self.shard.name), str(self.target)
+            )
+        )
+
+    def crt(self) -> float:
+        """The AWS CRT's transfer client."""
+        location = self.shard.location
+
+        def fetch() -> None:
+            with common.crt_transfer_manager(self.store.endpoint) as manager:
+                key = location.key(self.shard.name)
+                manager.download(location.bucket, key, str(self.target)).result()
+
+        return self._timed(fetch)
+
+    def prefetch_then_load(self, readers: int) -> float:
+        """An init container's prefetch, then tensorizer from the local file."""
+        try:
+            fetched = self.preshard(keep=True)
+            return fetched + tensorizer_local(self.target, readers, self.shard.tensor_bytes)
+        finally:
+            self.target.unlink(missing_ok=True)
 
 
 def evict(path: Path) -> None:
@@ -189,7 +299,9 @@ class Load:
     run: Callable[[], float]
 
 
-def loads(shard: Shard, readers: Sequence[int]) -> list[Load]:
+def loads(
+    shard: Shard, readers: Sequence[int], downloads: Downloads, prefetch_readers: int
+) -> list[Load]:
     """Every load of a round, in the order they run."""
     plan = [Load(RAW, None, 1, lambda: curl_ranges(shard.url, shard.object_bytes, 1))]
     for k in readers:
@@ -210,6 +322,17 @@ def loads(shard: Shard, readers: Sequence[int]) -> list[Load]:
                 functools.partial(tensorizer_load, shard.uri, k, shard.tensor_bytes),
             )
         )
+    plan += [
+        Load("preshard download to memory", None, DOWNLOAD_CONNECTIONS, downloads.preshard),
+        Load("boto3 download_file to memory", None, None, downloads.boto3),
+        Load("CRT download to memory", None, None, downloads.crt),
+        Load(
+            f"prefetch, then tensorizer from the file, num_readers={prefetch_readers}",
+            None,
+            DOWNLOAD_CONNECTIONS,
+            functools.partial(downloads.prefetch_then_load, prefetch_readers),
+        ),
+    ]
     plan.append(
         Load(
             "safetensors, local disk",
@@ -344,6 +467,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--repeats", type=int, default=3, help="rounds of every load (default: %(default)s)"
     )
     parser.add_argument(
+        "--prefetch-dir",
+        type=Path,
+        default=Path("/dev/shm"),  # noqa: S108 - memory-backed on purpose; a fresh subdirectory
+        help="memory-backed directory the downloads write to (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prefetch-readers",
+        type=int,
+        default=DEFAULT_PREFETCH_READERS,
+        help="num_readers of tensorizer on the prefetched file (default: %(default)s)",
+    )
+    parser.add_argument(
         "--endpoint",
         help="use this S3 server (credentials from the environment) instead of starting one",
     )
@@ -378,13 +513,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     scratch: Path = args.scratch
     with common.s3_store(args.endpoint, args.bucket) as store:
         prefix = f"{args.prefix.strip('/')}/{secrets.token_hex(4)}"
+        memory = args.prefetch_dir / f"preshard-bench-load-{secrets.token_hex(4)}"
         try:
             _say(f"writing and uploading a {args.size_gb:g} GB rank file")
             shard = make_shard(store, scratch, int(args.size_gb * common.GB), prefix)
-            rows = run_rounds(loads(shard, args.readers), args.repeats, shard.tensor_bytes)
+            downloads = Downloads(shard, store, memory)
+            plan = loads(shard, args.readers, downloads, args.prefetch_readers)
+            rows = run_rounds(plan, args.repeats, shard.tensor_bytes)
         finally:
             store.delete_prefix(prefix)
             shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(memory, ignore_errors=True)
     summary = summarize(rows, shard.tensor_bytes)
     print_report(summary, shard, args.repeats)
     recommended = recommend_readers(summary)
@@ -396,6 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "size_gb": args.size_gb,
                 "readers": args.readers,
                 "repeats": args.repeats,
+                "prefetch_readers": args.prefetch_readers,
                 "own_server": args.endpoint is None,
             },
             "shard": {

@@ -310,34 +310,10 @@ def run_boto3(client: S3Client, files: Sequence[Path], bucket: str, prefix: str)
 
 
 def run_crt(endpoint: str | None, files: Sequence[Path], bucket: str, prefix: str) -> Timing:
-    """The AWS CRT's transfer client (`boto3[crt]`): s3transfer's `CRTTransferManager` with
-    its defaults, every file submitted at once.
-
-    Built directly rather than through `upload_file(Config=TransferConfig(
-    preferred_transfer_client="crt"))`: boto3 makes its CRT client with TLS always on and no
-    endpoint, which cannot reach a plain-http server such as the test one.
-    """
-    import botocore.session  # noqa: PLC0415 - only this method uses the CRT
-    from s3transfer.crt import (  # noqa: PLC0415
-        BotocoreCRTCredentialsWrapper,
-        BotocoreCRTRequestSerializer,
-        CRTTransferManager,
-        create_s3_crt_client,
-    )
-
-    session = botocore.session.get_session()
-    region = session.get_config_variable("region") or "us-east-1"
-    credentials = BotocoreCRTCredentialsWrapper(session.get_credentials())
-    crt_client = create_s3_crt_client(
-        region,
-        crt_credentials_provider=credentials.to_crt_credentials_provider(),
-        use_ssl=not (endpoint or "").startswith("http://"),
-    )
-    serializer = BotocoreCRTRequestSerializer(
-        session, {"region_name": region, "endpoint_url": endpoint}
-    )
+    """The AWS CRT's transfer client (`boto3[crt]`) with its defaults, every file submitted
+    at once."""
     watch, cpu = common.Stopwatch(), time.process_time()
-    with CRTTransferManager(crt_client, serializer) as manager:
+    with common.crt_transfer_manager(endpoint) as manager:
         futures = [manager.upload(str(p), bucket, f"{prefix}/{p.name}") for p in files]
         for future in futures:
             future.result()

@@ -95,7 +95,8 @@ def test_a_smoke_run_of_loading_shards_times_every_reader_count(
     output, prefix = tmp_path / "load.json", f"bench-{secrets.token_hex(3)}"
     stdout = _run(
         "benchmarks.load", s3_server, s3_bucket,
-        "--readers", "1,2", "--prefix", prefix,
+        "--readers", "1,2", "--prefix", prefix, "--prefetch-readers", "2",
+        "--prefetch-dir", str(tmp_path / "memory"),
         "--scratch", str(tmp_path / "scratch"), "--output", str(output),
     )  # fmt: skip
     assert "speed / raw download" in stdout
@@ -109,6 +110,10 @@ def test_a_smoke_run_of_loading_shards_times_every_reader_count(
         "tensorizer, num_readers=1",
         "curl, 2 ranges",
         "tensorizer, num_readers=2",
+        "preshard download to memory",
+        "boto3 download_file to memory",
+        "CRT download to memory",
+        "prefetch, then tensorizer from the file, num_readers=2",
         "safetensors, local disk",
         "safetensors, page cache",
     ]
@@ -118,6 +123,7 @@ def test_a_smoke_run_of_loading_shards_times_every_reader_count(
     assert results["recommended_num_readers"] in (1, 2)
     assert s3_bucket.keys(f"{prefix}/") == []
     assert not (tmp_path / "scratch").exists()
+    assert list((tmp_path / "memory").iterdir()) == []
 
 
 def _rounds(seconds: dict[str, dict[int, float]]) -> list[dict[str, Any]]:
