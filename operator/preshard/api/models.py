@@ -59,6 +59,12 @@ SecretKey = Annotated[
 ]
 
 
+def cel(*rules: tuple[str, str]) -> dict[str, Any]:
+    """A schema's `x-kubernetes-validations`: CEL rules the API server checks, each with the
+    message it returns when the rule is false."""
+    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
+
+
 def _kubernetes_quantity(value: str) -> str:
     # The CRD's pattern is the one Kubernetes publishes; its parser is stricter (`1e1.5`), and a
     # request, limit or size is never negative. One parser reads every quantity preshard uses.
@@ -143,23 +149,21 @@ class ModelSource(ApiModel):
     """The model to shard: a Hugging Face repo id (with a revision) or an s3:// prefix."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "has(self.id) != has(self.uri)",
-                    "message": "set exactly one of id (Hugging Face) or uri (s3://)",
-                },
-                {
-                    "rule": "!has(self.uri) || (!has(self.revision) && !has(self.tokenSecretRef))",
-                    "message": "revision and tokenSecretRef apply to Hugging Face models only",
-                },
-                {
-                    "rule": "(has(self.id) ? self.id : '') == (has(oldSelf.id) ? oldSelf.id : '') "
-                    "&& (has(self.uri) ? self.uri : '') == (has(oldSelf.uri) ? oldSelf.uri : '')",
-                    "message": "model.id and model.uri are immutable: create a new ShardedModel",
-                },
-            ]
-        }
+        json_schema_extra=cel(
+            (
+                "has(self.id) != has(self.uri)",
+                "set exactly one of id (Hugging Face) or uri (s3://)",
+            ),
+            (
+                "!has(self.uri) || (!has(self.revision) && !has(self.tokenSecretRef))",
+                "revision and tokenSecretRef apply to Hugging Face models only",
+            ),
+            (
+                "(has(self.id) ? self.id : '') == (has(oldSelf.id) ? oldSelf.id : '') "
+                "&& (has(self.uri) ? self.uri : '') == (has(oldSelf.uri) ? oldSelf.uri : '')",
+                "model.id and model.uri are immutable: create a new ShardedModel",
+            ),
+        )
     )
 
     id: Annotated[str, StringConstraints(max_length=192, pattern=HF_MODEL_ID_PATTERN)] | None = None
@@ -229,14 +233,9 @@ class Storage(ApiModel):
     """Where shard sets are written and read."""
 
     uri: S3Uri = Field(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self == oldSelf",
-                    "message": "storage.uri is immutable: create a new ShardedModel",
-                }
-            ]
-        }
+        json_schema_extra=cel(
+            ("self == oldSelf", "storage.uri is immutable: create a new ShardedModel"),
+        )
     )
     """Prefix under which shard sets live, as `s3://bucket/prefix`. Each set is written to
     `<uri>/<artifact key>/`. Immutable.
@@ -338,12 +337,12 @@ class Serialization(ApiModel):
         default_factory=dict,
         json_schema_extra={
             "maxProperties": 32,
-            "x-kubernetes-validations": [
-                {
-                    "rule": f"self.all(k, k.matches('{ENGINE_ARG_PATTERN}'))",
-                    "message": "extraEngineArgs names are lower-case words joined by '-' or '_'",
-                }
-            ],
+            **cel(
+                (
+                    f"self.all(k, k.matches('{ENGINE_ARG_PATTERN}'))",
+                    "extraEngineArgs names are lower-case words joined by '-' or '_'",
+                ),
+            ),
         },
     )
     """Extra vLLM engine arguments by name (`quantization: fp8`, `trust-remote-code: "true"`).
@@ -469,15 +468,13 @@ class LabelSelector(ApiModel):
     """A Kubernetes label selector; an empty selector is refused (it would match everything)."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "(has(self.matchLabels) ? size(self.matchLabels) : 0) + "
-                    "(has(self.matchExpressions) ? size(self.matchExpressions) : 0) > 0",
-                    "message": "an empty selector would match every Deployment",
-                }
-            ]
-        }
+        json_schema_extra=cel(
+            (
+                "(has(self.matchLabels) ? size(self.matchLabels) : 0) + "
+                "(has(self.matchExpressions) ? size(self.matchExpressions) : 0) > 0",
+                "an empty selector would match every Deployment",
+            ),
+        )
     )
 
     match_labels: dict[LabelKey, LabelValue] = Field(default_factory=dict)
@@ -514,14 +511,9 @@ class Target(ApiModel):
     """vLLM Deployments (in the ShardedModel's namespace) to point at a shard set."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "has(self.name) != has(self.selector)",
-                    "message": "set exactly one of name or selector",
-                }
-            ]
-        }
+        json_schema_extra=cel(
+            ("has(self.name) != has(self.selector)", "set exactly one of name or selector"),
+        )
     )
 
     name: ResourceName | None = None
@@ -718,27 +710,24 @@ class ShardedModelSpec(ApiModel):
     """What to shard, where to put it, and which vLLM Deployments load it."""
 
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "!has(self.targets) || self.targets.all(t, "
-                    "!has(t.tensorParallelSize) || "
-                    "t.tensorParallelSize in self.tensorParallelSizes)",
-                    "message": "every target's tensorParallelSize must be in tensorParallelSizes",
-                },
-                {
-                    "rule": "!has(self.targets) || self.targets.all(t, !has(t.name) || "
-                    "self.targets.filter(u, has(u.name) && u.name == t.name).size() == 1)",
-                    "message": "a Deployment may be named by only one target",
-                },
-                {
-                    "rule": "has(self.encryption) == has(oldSelf.encryption) && "
-                    "(!has(self.encryption) || self.encryption == oldSelf.encryption)",
-                    "message": "encryption cannot be added, removed or changed: "
-                    "create a new ShardedModel",
-                },
-            ]
-        }
+        json_schema_extra=cel(
+            (
+                "!has(self.targets) || self.targets.all(t, "
+                "!has(t.tensorParallelSize) || "
+                "t.tensorParallelSize in self.tensorParallelSizes)",
+                "every target's tensorParallelSize must be in tensorParallelSizes",
+            ),
+            (
+                "!has(self.targets) || self.targets.all(t, !has(t.name) || "
+                "self.targets.filter(u, has(u.name) && u.name == t.name).size() == 1)",
+                "a Deployment may be named by only one target",
+            ),
+            (
+                "has(self.encryption) == has(oldSelf.encryption) && "
+                "(!has(self.encryption) || self.encryption == oldSelf.encryption)",
+                "encryption cannot be added, removed or changed: create a new ShardedModel",
+            ),
+        )
     )
 
     model: ModelSource
