@@ -112,12 +112,28 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     group.add_argument(
         "--log-format", default="text", metavar="text|json", help="log line format (default text)"
     )
-    formatter = argparse.RawDescriptionHelpFormatter
 
-    serialize = subparsers.add_parser(
+    def command(
+        name: str,
+        *,
+        help: str,
+        usage: str,
+        description: str,
+        failures: tuple[str, ...],
+        environment: str = "",
+    ) -> argparse.ArgumentParser:
+        return subparsers.add_parser(
+            name,
+            parents=[common],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            help=help,
+            usage=usage,
+            description=description,
+            epilog=_COMMON_ENV + environment + "\n" + _exit_codes(*failures),
+        )
+
+    serialize = command(
         "serialize",
-        parents=[common],
-        formatter_class=formatter,
         help="make a shard set: serialize a model with vLLM + tensorizer and upload it",
         usage="preshard serialize --model ID_OR_S3_URI [--revision REV] "
         "--tensor-parallel-size N --dtype DTYPE [--max-model-len L] [--engine-args-json JSON] "
@@ -134,10 +150,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "A destination that already holds a complete set for the same key and TP ends the\n"
             "command at once; anything else there is replaced."
         ),
-        epilog=_COMMON_ENV
-        + "  HF_TOKEN              Hugging Face token for private or gated models\n"
-        + "  PRESHARD_ENGINE       module:attribute of the engine (default: vLLM)\n\n"
-        + _exit_codes(
+        environment="  HF_TOKEN              Hugging Face token for private or gated models\n"
+        "  PRESHARD_ENGINE       module:attribute of the engine (default: vLLM)\n",
+        failures=(
             reasons.INVALID_ARGUMENTS,
             reasons.MODEL_NOT_FOUND,
             reasons.INSUFFICIENT_SCRATCH,
@@ -167,10 +182,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     serialize.set_defaults(run=_run_serialize)
 
-    reshard = subparsers.add_parser(
+    reshard = command(
         "reshard",
-        parents=[common],
-        formatter_class=formatter,
         help="make a shard set for another tensor-parallel size from a verified set, no GPU",
         usage="preshard reshard SRC_URI --to-tensor-parallel-size M "
         "--dest s3://bucket/prefix/KEY/ [--artifact-key KEY] --scratch-dir DIR "
@@ -189,9 +202,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "with the same key. --dest ends with the artifact key (--artifact-key, default:\n"
             "its last path segment)."
         ),
-        epilog=_COMMON_ENV
-        + "\n"
-        + _exit_codes(
+        failures=(
             reasons.RESHARD_UNSUPPORTED,
             *_CHECK_FAILURES,
             reasons.HASH_MISMATCH,
@@ -212,10 +223,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     reshard.set_defaults(run=_run_reshard)
 
-    verify = subparsers.add_parser(
+    verify = command(
         "verify",
-        parents=[common],
-        formatter_class=formatter,
         help="check that a shard set is complete for a tensor-parallel size",
         usage="preshard verify URI --tensor-parallel-size N [--artifact-key KEY] [--deep] "
         "[common options]",
@@ -224,10 +233,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "N rank files, every listed file present with its recorded size (one GET, one\n"
             "LIST); with --deep also re-read every file against its recorded checksum."
         ),
-        epilog=_COMMON_ENV
-        + "\n"
-        + _exit_codes(
-            *_CHECK_FAILURES, reasons.HASH_MISMATCH, reasons.INVALID_ARGUMENTS, *_S3_FAILURES
+        failures=(
+            *_CHECK_FAILURES,
+            reasons.HASH_MISMATCH,
+            reasons.INVALID_ARGUMENTS,
+            *_S3_FAILURES,
         ),
     )
     verify.add_argument("uri", metavar="URI", nargs="?", help="s3://bucket/prefix/KEY/")
@@ -236,10 +246,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     verify.add_argument("--deep", action="store_true", help="also check every file's checksum")
     verify.set_defaults(run=_run_verify)
 
-    fetch = subparsers.add_parser(
+    fetch = command(
         "fetch-config",
-        parents=[common],
-        formatter_class=formatter,
         help="copy a shard set's config and tokenizer files into a directory",
         usage="preshard fetch-config URI DIR [--tensorizer-dir DIR] [common options]",
         description=(
@@ -249,10 +257,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "With --tensorizer-dir, also copy the tensorizer this image bundles there, for a\n"
             "vLLM image without it (the stock vllm/vllm-openai image has none)."
         ),
-        epilog=_COMMON_ENV
-        + "\n"
-        + _exit_codes(
-            *_CHECK_FAILURES, reasons.HASH_MISMATCH, reasons.INVALID_ARGUMENTS, *_S3_FAILURES
+        failures=(
+            *_CHECK_FAILURES,
+            reasons.HASH_MISMATCH,
+            reasons.INVALID_ARGUMENTS,
+            *_S3_FAILURES,
         ),
     )
     fetch.add_argument("uri", metavar="URI", nargs="?", help="s3://bucket/prefix/KEY/")
@@ -264,10 +273,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     fetch.set_defaults(run=_run_fetch_config)
 
-    delete = subparsers.add_parser(
+    delete = command(
         "delete",
-        parents=[common],
-        formatter_class=formatter,
         help="delete one shard set",
         usage="preshard delete URI [common options]",
         description=(
@@ -275,7 +282,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "looks complete), unfinished multipart uploads, then every object under exactly\n"
             "URI/ (s3://b/p/key never touches s3://b/p/key2/). A missing set is not an error."
         ),
-        epilog=_COMMON_ENV + "\n" + _exit_codes(reasons.INVALID_ARGUMENTS, *_S3_FAILURES),
+        failures=(reasons.INVALID_ARGUMENTS, *_S3_FAILURES),
     )
     delete.add_argument("uri", metavar="URI", nargs="?", help="s3://bucket/prefix/KEY/")
     delete.set_defaults(run=_run_delete)
