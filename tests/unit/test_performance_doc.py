@@ -581,7 +581,7 @@ def controller_targets(table: Table) -> None:
 EXPECTED: Final[dict[str, tuple[Callable[[Table], None], ...]]] = {
     "Making shards": (serialize_methods, serialize_ratios, serialize_targets),
     "Changing the TP size": (reshard_pairs, reshard_pairs),
-    "Loading shards": (load_loads,),
+    "Loading shards": (load_loads, load_loads),
     "The controller at scale": (controller_runs, controller_requests, controller_targets),
 }
 CASES: Final = [
