@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import tensorizer
@@ -20,6 +20,7 @@ from tensorizer.serialization import CryptographyError
 from preshard.contract import reasons
 from preshard.contract.layout import MANIFEST_NAME
 from preshard.contract.outcome import exit_code
+from preshard.dataplane.checksums import CRC64NVME, digest_of_bytes
 from preshard.dataplane.manifest import Manifest, ManifestFile
 from preshard.dataplane.upload import FileKind
 from preshard_devenv.cpuengine import load_checkpoint
@@ -48,8 +49,10 @@ def store_set(
     *,
     config: dict[str, Any] | None = None,
     encrypted: bool = False,
+    format_version: Literal[1, 2] = 2,
 ) -> str:
-    """Upload rank files, the model's config files and a manifest, as `serialize` does."""
+    """Upload rank files, the model's config files and a manifest, as `serialize` does; format
+    1 is a set written before manifests recorded CRC64/NVME (a sha256 per file)."""
     files: dict[str, tuple[bytes, FileKind]] = {
         p.name: (p.read_bytes(), "shard") for p in rank_files
     }
@@ -69,12 +72,9 @@ def store_set(
         tensorizer_version="2.10.1",
         encrypted=encrypted,
         created="2026-01-01T00:00:00Z",
-        # A set written before manifests recorded CRC64/NVME: reshard reads it all the same.
-        format_version=1,
+        format_version=format_version,
         files=tuple(
-            ManifestFile(
-                name=name, size=len(body), sha256=hashlib.sha256(body).hexdigest(), kind=kind
-            )
+            ManifestFile(name=name, size=len(body), kind=kind, **checksum(body, format_version))
             for name, (body, kind) in files.items()
         ),
     )
@@ -82,6 +82,13 @@ def store_set(
         Bucket=bucket.name, Key=f"{prefix}/{MANIFEST_NAME}", Body=manifest.to_json().encode()
     )
     return f"s3://{bucket.name}/{prefix}/"
+
+
+def checksum(body: bytes, format_version: int) -> dict[str, str]:
+    """A manifest entry's checksum field, as each format records it."""
+    if format_version == 1:
+        return {"sha256": hashlib.sha256(body).hexdigest()}
+    return {"crc64nvme": digest_of_bytes(body, CRC64NVME)}
 
 
 def reshard_args(source: str, dest: str, tp: int, scratch: Path, *extra: str) -> list[str]:
@@ -98,7 +105,10 @@ def reshard_args(source: str, dest: str, tp: int, scratch: Path, *extra: str) ->
     ]
 
 
-@pytest.mark.parametrize(("source_tp", "target_tp"), [(2, 4), (2, 1), (1, 2)])
+# The last source is a format 1 set (a sha256 per file), as earlier versions wrote.
+@pytest.mark.parametrize(
+    ("source_tp", "target_tp", "source_format"), [(2, 4, 2), (2, 1, 2), (1, 2, 1)]
+)
 def test_reshard_stores_the_set_vllms_layout_gives_with_its_provenance(
     run_cli: Cli,
     s3_bucket: S3Bucket,
@@ -107,6 +117,7 @@ def test_reshard_stores_the_set_vllms_layout_gives_with_its_provenance(
     tmp_path: Path,
     source_tp: int,
     target_tp: int,
+    source_format: Literal[1, 2],
 ) -> None:
     checkpoint, cfg = (
         load_checkpoint(model.path),
@@ -117,6 +128,7 @@ def test_reshard_stores_the_set_vllms_layout_gives_with_its_provenance(
         f"{prefix}/src{source_tp}",
         model,
         write_vllm_set(checkpoint, cfg, tmp_path / "source", tp=source_tp),
+        format_version=source_format,
     )
     expected = write_vllm_set(checkpoint, cfg, tmp_path / "expected", tp=target_tp)
     dest = f"s3://{s3_bucket.name}/{prefix}/tp{target_tp}/"
@@ -135,6 +147,7 @@ def test_reshard_stores_the_set_vllms_layout_gives_with_its_provenance(
     assert made.outcome.files == target_tp + len(model.config_files)
 
     manifest = read_manifest(s3_bucket, f"{prefix}/tp{target_tp}")
+    assert manifest["formatVersion"] == 2  # whatever the source's format
     assert manifest["reshardedFrom"] == {
         "uri": source,
         "artifactKey": f"src{source_tp}",
@@ -233,6 +246,7 @@ def unknown_tensor_files(model: TinyModel, directory: Path) -> list[Path]:
         ("no config", 4, reasons.RESHARD_UNSUPPORTED, "has no config.json"),
         ("same tp", 2, reasons.INVALID_ARGUMENTS, "already made for TP 2"),
         ("corrupt rank", 4, reasons.HASH_MISMATCH, "model-rank-001.tensors"),
+        ("corrupt rank, format 1", 4, reasons.HASH_MISMATCH, "model-rank-001.tensors"),
         ("no manifest", 4, reasons.MANIFEST_MISSING, "there is no manifest.json"),
     ],
 )
@@ -259,7 +273,10 @@ def test_what_cannot_be_resharded_is_refused_and_nothing_is_stored(
         config = cfg | {"quantization_config": {"quant_method": "fp8"}}
     elif case == "unknown tensor":
         ranks = unknown_tensor_files(model, tmp_path / "unknown")
-    source = store_set(s3_bucket, f"{prefix}/src", model, ranks, config=config)
+    format_version: Literal[1, 2] = 1 if case.endswith("format 1") else 2
+    source = store_set(
+        s3_bucket, f"{prefix}/src", model, ranks, config=config, format_version=format_version
+    )
     if case == "no config":
         body = json.loads(
             s3_bucket.client.get_object(Bucket=s3_bucket.name, Key=f"{prefix}/src/{MANIFEST_NAME}")[
@@ -272,7 +289,7 @@ def test_what_cannot_be_resharded_is_refused_and_nothing_is_stored(
             Key=f"{prefix}/src/{MANIFEST_NAME}",
             Body=json.dumps(body).encode(),
         )
-    elif case == "corrupt rank":
+    elif case.startswith("corrupt rank"):
         data = bytearray(ranks[1].read_bytes())
         data[-5] ^= 0xFF
         s3_bucket.client.put_object(

@@ -2,7 +2,9 @@
 
 A large file is fetched as byte ranges by a pool of threads, each writing its range in place
 into a preallocated `.partial` file that is renamed once complete, so a file with its final
-name always has all its bytes (a re-run skips it when the size matches).
+name always has all its bytes (a re-run skips it when the size matches). Each thread takes its
+range's CRC64/NVME as the bytes arrive; the ranges' values combine into the file's, so a
+caller can check a download against a manifest without reading the file back.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Final
 
 from preshard.contract import reasons
 from preshard.contract.layout import S3Location
-from preshard.dataplane.checksums import Algorithm, new_hasher
+from preshard.dataplane.checksums import Algorithm, Crc64Nvme, crc64nvme, new_hasher
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.logs import Progress, human_bytes, logger
 from preshard.dataplane.s3 import RetryPolicy, call_with_retries
@@ -50,8 +52,9 @@ def download_files(
     concurrency: int,
     range_size: int = DEFAULT_RANGE_SIZE,
     retry: RetryPolicy | None = None,
-) -> None:
-    """Fetch `files` (name -> size) from under `location` into `directory`, in parallel."""
+) -> dict[str, str]:
+    """Fetch `files` (name -> size) from under `location` into `directory`, in parallel;
+    returns the CRC64/NVME of each file it fetched (not of those already there)."""
     policy = retry or RetryPolicy()
     wanted = {}
     for name, size in files.items():
@@ -62,7 +65,7 @@ def download_files(
     if len(wanted) < len(files):
         logger().info("%d source files are already in %s", len(files) - len(wanted), directory)
     if not wanted:
-        return
+        return {}
     total = sum(size for _, size in wanted.values())
     logger().info(
         "downloading %d files (%s) from %s", len(wanted), human_bytes(total), location.uri
@@ -72,7 +75,8 @@ def download_files(
         Progress("download", total, total_files=len(wanted)) as progress,
         concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="s3-get") as pool,
     ):
-        jobs: list[tuple[str, Path, Path, list[concurrent.futures.Future[None]]]] = []
+        jobs: list[tuple[str, Path, Path, list[concurrent.futures.Future[tuple[int, int]]]]] = []
+        checksums: dict[str, str] = {}
         try:
             for name, (target, size) in wanted.items():
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -99,8 +103,10 @@ def download_files(
                 ]
                 jobs.append((name, target, partial, futures))
             for name, target, partial, futures in jobs:
+                whole = Crc64Nvme()
                 for future in futures:
-                    future.result()
+                    whole.add_part(*future.result())
+                checksums[name] = whole.hexdigest()
                 if partial.stat().st_size != wanted[name][1]:
                     raise DataplaneError(
                         reasons.SERIALIZATION_FAILED, f"{name} changed size while downloading"
@@ -111,6 +117,7 @@ def download_files(
             stop.set()
             raise
     logger().info("%s", progress.line())
+    return checksums
 
 
 def _fetch_range(
@@ -123,9 +130,10 @@ def _fetch_range(
     policy: RetryPolicy,
     stop: threading.Event,
     progress: Progress,
-) -> None:
+) -> tuple[int, int]:
+    """Fetch one range into place; its CRC64/NVME and length."""
     if end <= start:
-        return
+        return 0, 0
     key = location.key(name)
 
     def get() -> bytes:
@@ -151,6 +159,7 @@ def _fetch_range(
     finally:
         os.close(fd)
     progress.add(len(data))
+    return crc64nvme(data), len(data)
 
 
 def stream_digest(

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Final
 from preshard.contract import reasons
 from preshard.contract.layout import S3Location, rank_file_names
 from preshard.contract.outcome import Outcome
+from preshard.dataplane.checksums import CRC64NVME
 from preshard.dataplane.download import download_files, local_path
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.logs import heartbeat, human_bytes, logger
@@ -228,7 +229,7 @@ def _layout(client: S3Client, checked: CheckedSet, source_tp: int, tp: int) -> M
 def _download(client: S3Client, checked: CheckedSet, directory: Path, concurrency: int) -> None:
     """Fetch every file of the set into `directory` and check each against its checksum."""
     files = checked.manifest.files
-    download_files(
+    fetched = download_files(
         client,
         checked.location,
         {f.name: f.size for f in files},
@@ -237,7 +238,13 @@ def _download(client: S3Client, checked: CheckedSet, directory: Path, concurrenc
     )
 
     def check(entry: ManifestFile) -> str | None:
-        if entry.matches_file(local_path(directory, entry.name)):
+        algorithm, expected = entry.checksum
+        if algorithm == CRC64NVME and entry.name in fetched:
+            # Checksummed as it arrived: nothing to read back.
+            matches = fetched[entry.name] == expected
+        else:
+            matches = entry.matches_file(local_path(directory, entry.name))
+        if matches:
             return None
         local_path(directory, entry.name).unlink()
         return entry.name
