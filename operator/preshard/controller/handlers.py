@@ -267,9 +267,10 @@ def close(memo: kopf.Memo, **_: Any) -> None:
         api.close()
 
 
-# The index handlers are coroutines although they do no I/O: kopf runs a plain function in its
-# thread pool, so every watch event would wait there behind busy threads and the indexes would
-# fall behind the writes under load.
+# The index and event handlers are coroutines although they do no I/O: kopf runs a plain
+# function in its thread pool, so every watch event would wait there behind busy threads (and
+# the indexes fall behind the writes under load), and an event handler would set the daemons'
+# asyncio events from a thread that is not the event loop's.
 
 
 @kopf.index(*JOBS, labels=OWNED)
@@ -322,7 +323,9 @@ async def shard_set_index(namespace: str | None, name: str, status: kopf.Status,
 
 @kopf.on.event(*JOBS, labels=OWNED)
 @kopf.on.event(*PODS, labels=OWNED)
-def owned_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+async def owned_changed(
+    namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+) -> None:
     """A Job or pod of ours changed: wake its ShardedModel."""
     owner = labels.get(LABEL_SHARDEDMODEL)
     if owner is not None and namespace is not None:
@@ -330,7 +333,7 @@ def owned_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, *
 
 
 @kopf.on.event(*DEPLOYMENTS)
-def deployment_changed(
+async def deployment_changed(
     namespace: str | None, name: str, body: kopf.Body, type: str, memo: kopf.Memo, **_: Any
 ) -> None:
     """A Deployment changed: wake the ShardedModels that may target it."""
@@ -346,7 +349,9 @@ def _failing_patched_pod(body: kopf.Body, **_: Any) -> bool:
 
 
 @kopf.on.event(*PODS, when=_failing_patched_pod)
-def target_pod_failing(namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def target_pod_failing(
+    namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
     """A pod of a patched Deployment crashes or cannot start: wake the ShardedModel."""
     view = target_pod_view(dict(body))
     if view is not None and namespace is not None:
@@ -354,7 +359,7 @@ def target_pod_failing(namespace: str | None, body: kopf.Body, memo: kopf.Memo, 
 
 
 @kopf.on.event(*SHARDEDMODELS)
-def resource_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def resource_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """A ShardedModel changed (spec, annotations or our own status write): reconcile it."""
     memo.wakeups.wake((namespace or "", name))
 
