@@ -267,10 +267,10 @@ def close(memo: kopf.Memo, **_: Any) -> None:
         api.close()
 
 
-# The index and event handlers are coroutines although they do no I/O: kopf runs a plain
-# function in its thread pool, so every watch event would wait there behind busy threads (and
-# the indexes fall behind the writes under load), and an event handler would set the daemons'
-# asyncio events from a thread that is not the event loop's.
+# The index handlers and the event handlers of Jobs, pods and Deployments are coroutines although
+# they do no I/O: kopf runs a plain function in its thread pool, so every watch event would wait
+# there behind busy threads (and the indexes fall behind the writes under load), and an event
+# handler would set the daemons' asyncio events from a thread that is not the event loop's.
 
 
 @kopf.index(*JOBS, labels=OWNED)
@@ -358,8 +358,12 @@ async def target_pod_failing(
         memo.wakeups.wake_for_pod(namespace, view.deployment)
 
 
+# This one stays a plain function (run in kopf's thread pool). As a coroutine, a ShardedModel in
+# a namespace being deleted, whose Job had vanished, was not finished within 90 s: kopf neither
+# stopped its daemon nor ran its deletion (`test_a_terminating_namespace_is_no_reason_for_a_
+# traceback`). Why is not known yet.
 @kopf.on.event(*SHARDEDMODELS)
-async def resource_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+def resource_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """A ShardedModel changed (spec, annotations or our own status write): reconcile it."""
     memo.wakeups.wake((namespace or "", name))
 
