@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from preshard.cli import main
 from preshard.contract import reasons
 from preshard.contract.engine_args import RESERVED_ENGINE_ARGS
 from preshard.contract.outcome import Outcome, exit_code
-from preshard.dataplane.checksums import crc64nvme, s3_header
+from preshard.dataplane.checksums import CRC64NVME, combine, crc64nvme, digest_of_bytes, s3_header
 from preshard.dataplane.cli import parse_size
 from preshard.dataplane.engine import (
     EngineRequest,
@@ -119,6 +120,14 @@ def test_part_size_grows_only_past_ten_thousand_parts() -> None:
 def test_crc64nvme_and_its_header_are_s3s() -> None:
     assert crc64nvme(b"123456789") == 0xAE8B14860A799888
     assert s3_header(crc64nvme(b"hello")) == "M3eFcAZSQlc="
+
+
+def test_parts_checksums_combine_into_the_whole_files() -> None:
+    data = bytes(range(256)) * 5000 + b"tail"
+    cuts = [0, 1, 70_000, 70_001, 900_000, len(data)]
+    parts = [(crc64nvme(data[a:b]), b - a) for a, b in itertools.pairwise(cuts)]
+    assert combine(parts) == digest_of_bytes(data, CRC64NVME)
+    assert combine(parts[::-1]) != digest_of_bytes(data, CRC64NVME)
 
 
 def test_retry_delays_grow_and_stay_bounded() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Final, Literal, Protocol
 
@@ -38,6 +39,19 @@ def crc64nvme(data: bytes, previous: int = 0) -> int:
     return crc
 
 
+def to_hex(crc: int) -> str:
+    """A CRC64/NVME as the manifest records it: 16 lower-case hex digits."""
+    return f"{crc:016x}"
+
+
+def combine(parts: Iterable[tuple[int, int]]) -> str:
+    """The hex CRC64/NVME of consecutive parts, each given as its own CRC64/NVME and length."""
+    whole = Crc64Nvme()
+    for crc, length in parts:
+        whole.add_part(crc, length)
+    return whole.hexdigest()
+
+
 def s3_header(crc: int) -> str:
     """The base64 big-endian value that S3's `x-amz-checksum-crc64nvme` header carries."""
     return base64.b64encode(crc.to_bytes(8, "big")).decode()
@@ -59,7 +73,7 @@ class Crc64Nvme:
 
     def hexdigest(self) -> str:
         """16 lower-case hex digits."""
-        return f"{self._crc:016x}"
+        return to_hex(self._crc)
 
 
 def new_hasher(algorithm: Algorithm) -> Hasher:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Final
 
 from preshard.contract import reasons
 from preshard.contract.layout import S3Location
-from preshard.dataplane.checksums import Algorithm, Crc64Nvme, crc64nvme, new_hasher
+from preshard.dataplane.checksums import Algorithm, combine, crc64nvme, new_hasher
 from preshard.dataplane.errors import DataplaneError
 from preshard.dataplane.logs import Progress, human_bytes, logger
 from preshard.dataplane.s3 import RetryPolicy, call_with_retries
@@ -103,10 +103,7 @@ def download_files(
                 ]
                 jobs.append((name, target, partial, futures))
             for name, target, partial, futures in jobs:
-                whole = Crc64Nvme()
-                for future in futures:
-                    whole.add_part(*future.result())
-                checksums[name] = whole.hexdigest()
+                checksums[name] = combine(future.result() for future in futures)
                 if partial.stat().st_size != wanted[name][1]:
                     raise DataplaneError(
                         reasons.SERIALIZATION_FAILED, f"{name} changed size while downloading"

@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from preshard.contract import reasons
 from preshard.contract.layout import S3Location
-from preshard.dataplane.checksums import CRC64NVME, Crc64Nvme, crc64nvme, digest_of_file, s3_header
+from preshard.dataplane.checksums import (
+    CRC64NVME,
+    combine,
+    crc64nvme,
+    digest_of_file,
+    s3_header,
+    to_hex,
+)
 from preshard.dataplane.errors import DataplaneError, classify_s3_error, s3_error_code
 from preshard.dataplane.logs import Progress, human_bytes, logger
 from preshard.dataplane.s3 import RetryPolicy, call_with_retries
@@ -229,7 +236,7 @@ class Uploader:
             raise DataplaneError(
                 reasons.SERIALIZATION_FAILED, f"{local.name} changed size while it was uploaded"
             )
-        return StoredFile(local.name, size, f"{crc:016x}", local.kind, uploaded=True)
+        return StoredFile(local.name, size, to_hex(crc), local.kind, uploaded=True)
 
     def _put_multipart(self, local: LocalFile, size: int, part_size: int) -> StoredFile:
         key = self._location.key(local.name)
@@ -297,13 +304,8 @@ class Uploader:
             raise failure
         if self._stop.is_set():
             raise _CancelledError
-        whole = Crc64Nvme()
-        parts = []
-        for future in futures:
-            part, crc, length = future.result()
-            whole.add_part(crc, length)
-            parts.append(part)
-        return parts, whole.hexdigest(), read
+        sent = [f.result() for f in futures]
+        return [part for part, _, _ in sent], combine((c, n) for _, c, n in sent), read
 
     def _send_part(
         self, key: str, upload_id: str, number: int, data: bytes, name: str
