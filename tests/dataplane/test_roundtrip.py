@@ -51,6 +51,7 @@ def test_round_trip(
     assert checked.outcome.reason == reasons.VERIFIED
     assert checked.outcome.total_bytes == made.outcome.total_bytes
     assert checked.outcome.files == tp + len(tiny_model.config_files)
+    assert checked.outcome.manifest_format == 2
 
     manifest = read_manifest(s3_bucket, f"{prefix}/{key}")
     assert manifest["tensorParallelSize"] == tp

@@ -222,6 +222,8 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
     assert sets[2]["reshardedFrom"] == tp1_set["artifactKey"], sets[2]
     assert sets[2]["message"].startswith(f"resharded on CPU from {tp1_set['artifactKey']}")
     assert (sets[2].get("reshardRun"), sets[2].get("serializeRun", 0)) == (1, 0), sets[2]
+    # What a kept init container image must read (the verify Job reported it).
+    assert sets[2]["manifestFormat"] == 2, sets[2]
     names = job_names(kube_api, namespace)
     outcomes = {name: job_outcome(kube_api, namespace, name)[1] for name in names}
     made = {n: o for n, o in outcomes.items() if "-serialize-" in n or "-reshard-" in n}

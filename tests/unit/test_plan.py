@@ -233,7 +233,7 @@ def apply_json_patch(document: dict[str, Any], ops: list[dict[str, Any]]) -> dic
     return result
 
 
-def verified(tp: int = 2) -> Outcome:
+def verified(tp: int = 2, manifest_format: int = 2) -> Outcome:
     return Outcome(
         command="verify",
         ok=True,
@@ -243,6 +243,7 @@ def verified(tp: int = 2) -> Outcome:
         files=5,
         vllm_version="0.34.0",
         tensorizer_version="2.10.1",
+        manifest_format=manifest_format,
     )
 
 

@@ -24,6 +24,7 @@ from preshard.contract.outcome import (
 )
 from preshard.controller import conditions
 from preshard.dataplane.manifest import Manifest, ManifestFile
+from preshard.dataplane.shardset import set_outcome
 from preshard.settings import Settings, SettingsError
 
 CRC_OF_HELLO = "3377857006524257"  # CRC64/NVME of b"hello"
@@ -236,6 +237,17 @@ def test_a_format_1_manifest_is_checked_by_its_sha256() -> None:
     assert parsed.shards[0].checksum == ("sha256", sha)
     assert parsed.shards[0].matches_bytes(b"hello")
     assert not parsed.shards[0].matches_bytes(b"hellO")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_outcome_about_a_set_says_its_manifest_format(version: Literal[1, 2]) -> None:
+    """The controller keeps an older tools image only while it reads the set's format."""
+    checksum = {"sha256": "0" * 64} if version == 1 else {"crc64nvme": CRC_OF_HELLO}
+    entry = ManifestFile(name="model-rank-000.tensors", size=5, kind="shard", **checksum)
+    manifest = _manifest(entry, format_version=version)
+    outcome = set_outcome("verify", reasons.VERIFIED, "complete", "s3://b/p/k/", manifest)
+    assert outcome.manifest_format == version
+    assert json.loads(outcome.to_message())["manifestFormat"] == version
 
 
 def test_a_manifest_file_without_a_checksum_is_refused() -> None:

@@ -1,11 +1,12 @@
 """An operator upgrade re-serializes nothing and restarts no vLLM pod: the artifact key follows
 the serializer's vLLM release, not preshard's version, and a new tools image alone is no reason
-to write a patched Deployment."""
+to write a patched Deployment, unless the image it has cannot read its set's manifest."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +16,17 @@ import yaml
 from preshard.api.models import parse_spec
 from preshard.builders.identity import artifact_key, shard_set_key
 from preshard.builders.patching import (
+    ANNOTATION_TOOLS_MANIFEST_FORMAT,
     INIT_CONTAINER,
     PatchedDeployment,
     managed_view,
     patch_deployment,
 )
+from preshard.contract import reasons
 from preshard.settings import Settings, SettingsError
 from tests.unit import test_plan
 from tests.unit.test_patching import deployment, target_input
-from tests.unit.test_plan import World, drive_to_ready
+from tests.unit.test_plan import NOW, World, drive_to_ready, failed, serialized, verified
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC: dict[str, Any] = {
@@ -95,11 +98,23 @@ def init_image(item: dict[str, Any]) -> str:
     return image
 
 
-def patched(item: dict[str, Any], tools_image: str, **extra: Any) -> dict[str, Any]:
+def patched(
+    item: dict[str, Any], tools_image: str, manifest_format: int = 2, **extra: Any
+) -> dict[str, Any]:
     settings = Settings(tools_image=tools_image)
-    result = patch_deployment(item, target_input(extra or None, settings=settings))
+    target = replace(
+        target_input(extra or None, settings=settings), manifest_format=manifest_format
+    )
+    result = patch_deployment(item, target)
     assert isinstance(result, PatchedDeployment)
     return result.deployment
+
+
+def as_an_older_release_patched(item: dict[str, Any]) -> dict[str, Any]:
+    """The Deployment as a release before manifest format 2 left it: its image reads format 1
+    and it says nothing of the formats."""
+    del item["metadata"]["annotations"][ANNOTATION_TOOLS_MANIFEST_FORMAT]
+    return item
 
 
 def test_a_new_tools_image_alone_writes_nothing() -> None:
@@ -114,6 +129,34 @@ def test_the_tools_image_moves_with_the_next_change_of_the_patch() -> None:
     changed = patched(first, "tools:2", loading={"numReaders": 2})
     assert init_image(changed) == "tools:2"
     assert managed_view(changed, "vllm") != managed_view(first, "vllm")
+
+
+def test_the_tools_image_is_recorded_with_the_manifest_format_it_reads() -> None:
+    annotations = patched(deployment(), "tools:1")["metadata"]["annotations"]
+    assert annotations[ANNOTATION_TOOLS_MANIFEST_FORMAT] == "2"
+
+
+def test_an_older_tools_image_is_kept_while_its_set_is_in_a_format_it_reads() -> None:
+    first = as_an_older_release_patched(patched(deployment(), "tools:1", manifest_format=1))
+    again = patched(first, "tools:2", manifest_format=1)
+    assert init_image(again) == "tools:1"
+    assert managed_view(again, "vllm") == managed_view(first, "vllm")
+    assert ANNOTATION_TOOLS_MANIFEST_FORMAT not in again["metadata"]["annotations"]
+
+
+def test_an_older_tools_image_moves_when_its_set_is_in_a_newer_format() -> None:
+    """Its `fetch-config` would refuse the manifest, and every new pod would fail to start."""
+    first = as_an_older_release_patched(patched(deployment(), "tools:1", manifest_format=1))
+    again = patched(first, "tools:2", manifest_format=2)
+    assert init_image(again) == "tools:2"
+    assert again["metadata"]["annotations"][ANNOTATION_TOOLS_MANIFEST_FORMAT] == "2"
+
+
+def test_a_tools_image_that_reads_the_sets_format_is_kept_through_an_upgrade() -> None:
+    first = patched(deployment(), "tools:1", manifest_format=2)
+    again = patched(first, "tools:2", manifest_format=2)
+    assert init_image(again) == "tools:1"
+    assert again["metadata"]["annotations"][ANNOTATION_TOOLS_MANIFEST_FORMAT] == "2"
 
 
 def test_the_input_hash_does_not_depend_on_the_tools_image() -> None:
@@ -139,3 +182,35 @@ def test_the_planner_does_not_patch_again_after_an_upgrade(
     (patch,) = world.step().patches
     assert init_image(world.deployments["vllm"]) == "tools:2"
     assert patch.name == "vllm"
+
+
+def test_a_set_made_again_after_an_upgrade_takes_the_tools_image_that_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A set and a Deployment from a release that wrote format 1: the upgrade writes nothing;
+    the set made again (here after a lost file and a retry) is in format 2, which the kept image
+    cannot read, so the image moves with the verified set."""
+    world = World()
+    drive_to_ready(world)
+    as_an_older_release_patched(world.deployments["vllm"])
+    (entry,) = world.status.shard_sets
+    older = entry.model_copy(update={"manifest_format": None})
+    world.status = world.status.model_copy(update={"shard_sets": [older]})
+    monkeypatch.setattr(test_plan, "SETTINGS", replace(test_plan.SETTINGS, tools_image="tools:2"))
+    assert world.step().patches == []
+
+    world.now = NOW + timedelta(hours=1, seconds=1)
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.SHARD_MISSING, "model-rank-001"))
+    assert world.step().patches == []
+    assert init_image(world.deployments["vllm"]) == "tools:1"
+    world.annotations["preshard.dev/retry"] = "1"
+    world.step()
+    world.finish(world.only_set().job, serialized())
+    world.step()
+    world.finish(world.only_set().job, verified(manifest_format=2))
+    (patch,) = world.step().patches
+    assert patch.name == "vllm"
+    assert init_image(world.deployments["vllm"]) == "tools:2"
+    annotations = world.deployments["vllm"]["metadata"]["annotations"]
+    assert annotations[ANNOTATION_TOOLS_MANIFEST_FORMAT] == "2"

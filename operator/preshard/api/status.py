@@ -152,6 +152,10 @@ class ShardSetStatus(StatusModel):
     tensorizer_version: str | None = None
     """tensorizer version the set was made with."""
 
+    manifest_format: int | None = None
+    """The format of the set's `manifest.json`, from its last verification: what the init
+    container of a Deployment that loads it must read."""
+
     progress: str | None = None
     """How far the running serialize or reshard Job is, from its pod's log, in steps of 5%:
     `upload 35% of 14.96 GiB, 420 MB/s, about 25 s left`."""

@@ -56,7 +56,7 @@ from preshard.builders.vllm_args import (
     rewrite_vllm_command,
 )
 from preshard.contract import reasons
-from preshard.contract.layout import tensorizer_uri
+from preshard.contract.layout import MANIFEST_FORMAT, tensorizer_uri
 from preshard.settings import Settings
 
 ANNOTATION_OWNER: Final = "preshard.dev/owner"
@@ -72,6 +72,10 @@ ANNOTATION_IMAGE: Final = "preshard.dev/container-image"
 # How often the same patch was written in a row (`PatchRounds`): a GitOps tool that reverts it
 # each time is met with a refusal, not with a GPU restart per round.
 ANNOTATION_PATCH_ROUNDS: Final = "preshard.dev/patch-rounds"
+# The newest shard-set manifest format the init container's image reads, recorded with the
+# image: an image kept from an older release may not read the set's (`_keep_tools_image`).
+# Absent on Deployments patched before it was recorded, whose images read format 1.
+ANNOTATION_TOOLS_MANIFEST_FORMAT: Final = "preshard.dev/tools-manifest-format"
 # The user's: the vLLM release the container runs, when its image tag does not say.
 ANNOTATION_VLLM_VERSION: Final = "preshard.dev/vllm-version"
 OWNED_ANNOTATIONS: Final = (
@@ -84,9 +88,14 @@ OWNED_ANNOTATIONS: Final = (
     ANNOTATION_TP,
     ANNOTATION_IMAGE,
     ANNOTATION_PATCH_ROUNDS,
+    ANNOTATION_TOOLS_MANIFEST_FORMAT,
 )
 # preshard's annotations that are records, not the patch: they never cause a write themselves.
-RECORD_ANNOTATIONS: Final = (ANNOTATION_IMAGE, ANNOTATION_PATCH_ROUNDS)
+RECORD_ANNOTATIONS: Final = (
+    ANNOTATION_IMAGE,
+    ANNOTATION_PATCH_ROUNDS,
+    ANNOTATION_TOOLS_MANIFEST_FORMAT,
+)
 
 # The vLLM container's fields a patch changes, recorded before and after it.
 CONTAINER_FIELDS: Final = ("command", "args", "env", "resources", "volumeMounts")
@@ -143,6 +152,9 @@ class TargetInput:
     image's); None when unknown."""
     allow_vllm_version_mismatch: bool = False
     """Patch it even when the server runs another vLLM release (`allowVllmVersionMismatch`)."""
+    manifest_format: int = 1
+    """The format of the set's manifest (its status entry; 1 for a set verified before formats
+    were recorded, which only format 1 sets were)."""
 
 
 @dataclass(frozen=True)
@@ -375,9 +387,11 @@ def patch_deployment(deployment: Manifest, target: TargetInput) -> PatchedDeploy
     _set_or_drop(chosen, "args", rewritten.args)
     _apply_container(chosen, target, gpu)
     _apply_pod(pod_spec, target)
-    _keep_tools_image(deployment, desired, chosen.get("name"))
+    kept = _keep_tools_image(deployment, desired, chosen.get("name"), target.manifest_format)
 
     desired_annotations = desired.setdefault("metadata", {}).setdefault("annotations", {})
+    if not kept:
+        desired_annotations[ANNOTATION_TOOLS_MANIFEST_FORMAT] = str(MANIFEST_FORMAT)
     applied = annotations.get(ANNOTATION_ARTIFACT_KEY)
     if applied is not None and applied != target.shard_set.artifact_key:
         desired_annotations[ANNOTATION_PREVIOUS_KEY] = applied
@@ -718,21 +732,35 @@ def _is_ca_bundle_env(entry: Manifest, storage: models.Storage) -> bool:
     return storage.ca_bundle is not None or entry.get("value") == CA_BUNDLE_PATH
 
 
-def _keep_tools_image(current: Manifest, desired: Manifest, container_name: object) -> None:
-    """Give preshard's init container back the image it has, unless more of the patch changes.
+def _keep_tools_image(
+    current: Manifest, desired: Manifest, container_name: object, manifest_format: int
+) -> bool:
+    """Give preshard's init container back the image it has, unless more of the patch changes or
+    that image cannot read the set's manifest; whether it was kept.
 
     The tools image follows the operator's version. Writing a new one alone would restart every
     patched vLLM pod on each operator upgrade for nothing: the same `fetch-config` arguments do
-    the same work. It moves with the next write the patch needs for another reason.
+    the same work. It moves with the next write the patch needs for another reason, or when the
+    set is in a manifest format newer than the image reads (made again after an upgrade).
     """
     have, want = _fetch_config(current), _fetch_config(desired)
     if have is None or want is None or have.get("image") in (None, want.get("image")):
-        return
+        return False
+    if tools_manifest_format(current) < manifest_format:
+        return False
     newer = want["image"]
     want["image"] = have["image"]
     name = container_name if isinstance(container_name, str) else None
     if _template_view(desired, name) != _template_view(current, name):
         want["image"] = newer
+        return False
+    return True
+
+
+def tools_manifest_format(deployment: Manifest) -> int:
+    """The newest manifest format the init container's image reads, as recorded (1 when not)."""
+    recorded = annotations_of(deployment).get(ANNOTATION_TOOLS_MANIFEST_FORMAT, "1")
+    return int(recorded) if recorded.isdigit() else 1
 
 
 def _fetch_config(deployment: Manifest) -> Manifest | None:

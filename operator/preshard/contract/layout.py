@@ -13,6 +13,10 @@ from typing import Final
 
 RANK_FILE_TEMPLATE: Final = "model-rank-%03d.tensors"
 MANIFEST_NAME: Final = "manifest.json"
+# The newest format of `manifest.json` this release writes and reads: 1 recorded each file's
+# sha256, 2 its CRC64/NVME. The controller compares it with what the init container's image of a
+# patched Deployment reads (an older image refuses a newer format).
+MANIFEST_FORMAT: Final = 2
 
 # An S3 bucket name (the DNS-compatible rules) and a key prefix made of safe path segments:
 # no empty segments, none made only of dots (so no `.` or `..`), printable ASCII only. RE2 and

@@ -93,6 +93,7 @@ class Outcome(BaseModel):
     vllm_version: str | None = Field(default=None, alias="vllmVersion")
     tensorizer_version: str | None = Field(default=None, alias="tensorizerVersion")
     encrypted: bool | None = None
+    manifest_format: int | None = Field(default=None, alias="manifestFormat")
     seconds: float | None = None
 
     def to_message(self) -> str:

@@ -12,11 +12,11 @@ Both are read.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Final, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from preshard.contract.layout import rank_file_names
+from preshard.contract.layout import MANIFEST_FORMAT, rank_file_names
 from preshard.dataplane.checksums import (
     CRC64NVME,
     SHA256,
@@ -24,8 +24,6 @@ from preshard.dataplane.checksums import (
     digest_of_bytes,
     digest_of_file,
 )
-
-FORMAT_VERSION: Final = 2
 
 
 class ManifestFile(BaseModel):
@@ -83,7 +81,7 @@ class Manifest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
-    format_version: Literal[1, 2] = Field(default=FORMAT_VERSION, alias="formatVersion")
+    format_version: Literal[1, 2] = Field(default=MANIFEST_FORMAT, alias="formatVersion")
     artifact_key: str = Field(alias="artifactKey", min_length=1)
     model: str = Field(min_length=1)
     revision: str | None = None

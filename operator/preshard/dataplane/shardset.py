@@ -156,5 +156,6 @@ def set_outcome(
             "vllmVersion": manifest.vllm_version,
             "tensorizerVersion": manifest.tensorizer_version,
             "encrypted": manifest.encrypted,
+            "manifestFormat": manifest.format_version,
         }
     )

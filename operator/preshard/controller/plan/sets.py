@@ -221,6 +221,7 @@ def _verified(
                 "files": outcome.files,
                 "vllm_version": outcome.vllm_version or entry.vllm_version,
                 "tensorizer_version": outcome.tensorizer_version or entry.tensorizer_version,
+                "manifest_format": outcome.manifest_format,
             }
         )
         return verified, Actions()

@@ -152,6 +152,7 @@ def _target(
         shard_vllm_version=(serving_entry.vllm_version if serving_entry else None)
         or serializer_vllm_version(spec, context.settings),
         allow_vllm_version_mismatch=spec_target.allow_vllm_version_mismatch,
+        manifest_format=(serving_entry.manifest_format if serving_entry else None) or 1,
     )
     patched = patching.patch_deployment(deployment, target_input)
     if isinstance(patched, patching.Refusal):
