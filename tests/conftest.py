@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import secrets
 import signal
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -20,11 +20,14 @@ from kubernetes import client as k8s
 
 from preshard_devenv import binaries, engine
 from preshard_devenv.controlplane import LocalCluster
+from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.podrunner import PodRunner
 from preshard_devenv.procs import DevEnvError
 from preshard_devenv.s3server import S3Bucket, S3Server, create_bucket, start_s3_server
 
 _ROOT = Path(__file__).resolve().parent.parent
+_LOG_START = pytest.StashKey[dict[int, int]]()
+_REPORTED_LINES = 200
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -53,6 +56,35 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         binaries.ensure_all(log=say)
     except DevEnvError as error:
         pytest.exit(f"the local cluster's binaries are missing and could not be built: {error}")
+
+
+def _operators(item: pytest.Item) -> list[OperatorProcess]:
+    funcargs = getattr(item, "funcargs", {})
+    return [value for value in funcargs.values() if isinstance(value, OperatorProcess)]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """Remember where each operator's log stood when the test body began."""
+    item.stash[_LOG_START] = {id(op): len(op.log()) for op in _operators(item)}
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report carries what the operator logged while it ran: in CI that log is
+    the only account of why the operator did not do what the test waited for."""
+    report = yield
+    if report.when == "call" and report.failed:
+        starts = item.stash.get(_LOG_START, {})
+        for operator in _operators(item):
+            lines = operator.log()[starts.get(id(operator), 0) :].splitlines()
+            report.sections.append(
+                ("operator log during the test", "\n".join(lines[-_REPORTED_LINES:]))
+            )
+    return report
 
 
 @pytest.fixture(scope="session")
