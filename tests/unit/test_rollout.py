@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import kopf
@@ -275,3 +276,32 @@ def test_a_failing_pod_wakes_the_shardedmodel_that_patched_its_deployment() -> N
         return [*woken, mine.is_set(), other.is_set()]
 
     assert asyncio.run(scenario()) == [True, False, False, False]
+
+
+def test_a_wake_from_kopfs_thread_pool_reaches_the_waiting_reconciler() -> None:
+    # Nothing else wakes this loop: an `Event.set()` from the thread would go unnoticed while
+    # the loop sleeps in its selector (and in debug mode it is refused outright).
+    async def scenario() -> bool:
+        wakeups = Wakeups()
+        event = wakeups.register(("ns", "llama"))
+        threading.Timer(0.05, wakeups.wake, args=(("ns", "llama"),)).start()
+        await asyncio.wait_for(event.wait(), timeout=10)
+        return event.is_set()
+
+    assert asyncio.run(scenario(), debug=True)
+
+
+def test_a_stopping_daemon_leaves_the_event_of_its_successor_in_place() -> None:
+    async def scenario() -> list[bool]:
+        wakeups = Wakeups()
+        old = wakeups.register(("ns", "llama"))
+        new = wakeups.register(("ns", "llama"))
+        wakeups.unregister(("ns", "llama"), old)
+        wakeups.wake(("ns", "llama"))
+        woken = [old.is_set(), new.is_set()]
+        wakeups.unregister(("ns", "llama"), new)
+        new.clear()
+        wakeups.wake(("ns", "llama"))
+        return [*woken, new.is_set()]
+
+    assert asyncio.run(scenario()) == [False, True, False]
