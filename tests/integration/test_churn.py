@@ -16,6 +16,7 @@ from preshard.contract import reasons
 from preshard_devenv import workloads
 from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
+from tests.support.specs import kwok_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -24,16 +25,9 @@ CONVERGE_SECONDS = 120.0
 
 
 def spec(sizes: list[int], target_tp: int) -> dict[str, Any]:
-    return {
-        "model": {"id": "org/model", "revision": "abc123"},
-        "storage": {
-            "uri": "s3://models/shards",
-            "endpoint": "http://s3.storage:8333",
-            "credentialsSecretRef": {"name": "s3"},
-        },
-        "tensorParallelSizes": sizes,
-        "targets": [{"name": "vllm", "tensorParallelSize": target_tp}],
-    }
+    return kwok_spec(
+        tensorParallelSizes=sizes, targets=[{"name": "vllm", "tensorParallelSize": target_tp}]
+    )
 
 
 def edits(seed: int) -> list[tuple[list[int], int]]:

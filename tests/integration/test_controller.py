@@ -23,41 +23,18 @@ from preshard_devenv.nodes import on_node
 from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
-from tests.support.cluster import finish_job
+from tests.support.cluster import finish_job, job_named
+from tests.support.specs import kwok_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
 MANUAL = on_node("manual")
 
 
-def spec(**changes: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "model": {"id": "org/model", "revision": "abc123"},
-        "storage": {
-            "uri": "s3://models/shards",
-            "endpoint": "http://s3.storage:8333",
-            "credentialsSecretRef": {"name": "s3"},
-        },
-        "tensorParallelSizes": [2],
-        "targets": [{"name": "vllm"}],
-    }
-    base.update(changes)
-    return base
-
-
 def manual_spec(**changes: Any) -> dict[str, Any]:
     """Every Job of this ShardedModel lands on the manual node, where the test finishes it."""
     placement = {"nodeSelector": MANUAL["nodeSelector"], "tolerations": MANUAL["tolerations"]}
-    return spec(serialization=placement, verification=placement, **changes)
-
-
-def job_named(api: k8s.ApiClient, namespace: str, suffix: str) -> dict[str, Any]:
-    def find() -> dict[str, Any] | None:
-        return next(
-            (j for j in shm.jobs(api, namespace) if j["metadata"]["name"].endswith(suffix)), None
-        )
-
-    return wait_for(find, what=f"a Job named *{suffix}")
+    return kwok_spec(serialization=placement, verification=placement, **changes)
 
 
 def test_lifecycle_probe_serialize_verify_patch(kube_api: k8s.ApiClient, namespace: str) -> None:
@@ -132,7 +109,7 @@ def test_hand_edits_are_reasserted_and_deletion_restores(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
     original = workloads.create_deployment(kube_api, namespace, "vllm")
-    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", kwok_spec())
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
 
     args = shm.vllm_args(shm.read_deployment(kube_api, namespace, "vllm"))
@@ -170,7 +147,7 @@ def test_changing_tp_switches_after_the_new_set_is_verified(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
     workloads.create_deployment(kube_api, namespace, "vllm")
-    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", kwok_spec())
     ready = shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
     (old,) = ready["status"]["shardSets"]
 
@@ -204,7 +181,7 @@ def test_changing_tp_switches_after_the_new_set_is_verified(
 def test_a_missing_target_is_picked_up_when_it_appears(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
-    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", kwok_spec())
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_NOT_FOUND)
     workloads.create_deployment(kube_api, namespace, "vllm")
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
@@ -235,7 +212,7 @@ def test_bad_input_becomes_a_condition_and_patches_nothing(
     reason: str,
 ) -> None:
     original = workloads.create_deployment(kube_api, namespace, "vllm", container=container)
-    workloads.create_sharded_model(kube_api, namespace, "bad", spec(**changes))
+    workloads.create_sharded_model(kube_api, namespace, "bad", kwok_spec(**changes))
     shm.wait_condition(kube_api, namespace, "bad", "Ready", "False", reason)
     current = shm.read_deployment(kube_api, namespace, "vllm")
     assert current["spec"]["template"] == original["spec"]["template"]
@@ -243,9 +220,11 @@ def test_bad_input_becomes_a_condition_and_patches_nothing(
 
 def test_two_resources_cannot_own_one_deployment(kube_api: k8s.ApiClient, namespace: str) -> None:
     workloads.create_deployment(kube_api, namespace, "vllm")
-    workloads.create_sharded_model(kube_api, namespace, "first", spec())
+    workloads.create_sharded_model(kube_api, namespace, "first", kwok_spec())
     shm.wait_condition(kube_api, namespace, "first", "Ready", "True", reasons.READY)
-    workloads.create_sharded_model(kube_api, namespace, "second", spec(tensorParallelSizes=[4]))
+    workloads.create_sharded_model(
+        kube_api, namespace, "second", kwok_spec(tensorParallelSizes=[4])
+    )
     shm.wait_condition(kube_api, namespace, "second", "Ready", "False", reasons.TARGET_CONFLICT)
     args = shm.vllm_args(shm.read_deployment(kube_api, namespace, "vllm"))
     assert shm.flag(args, "--tensor-parallel-size") == "2"
@@ -288,7 +267,7 @@ def test_kubectl_shows_ready_reason_and_tp(
     cluster: LocalCluster, kube_api: k8s.ApiClient, namespace: str
 ) -> None:
     workloads.create_deployment(kube_api, namespace, "vllm")
-    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", kwok_spec())
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
     table = subprocess.run(
         [str(binaries.tool_path("kubectl")), "get", "shm", "-n", namespace, "-o", "wide"],

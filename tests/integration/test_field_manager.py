@@ -17,24 +17,12 @@ from preshard.contract import reasons
 from preshard_devenv import workloads
 from preshard_devenv.kubeconfig import plain
 from tests.support import shardedmodels as shm
+from tests.support.specs import kwok_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
 GITOPS = "gitops"
 CLIENT_DEFAULT = "OpenAPI-Generator"
-
-
-def spec() -> dict[str, Any]:
-    return {
-        "model": {"id": "org/model", "revision": "abc123"},
-        "storage": {
-            "uri": "s3://models/shards",
-            "endpoint": "http://s3.storage:8333",
-            "credentialsSecretRef": {"name": "s3"},
-        },
-        "tensorParallelSizes": [2],
-        "targets": [{"name": "vllm"}],
-    }
 
 
 def create_deployment_as_gitops(api: k8s.ApiClient, namespace: str) -> None:
@@ -49,7 +37,7 @@ def test_writes_are_recorded_under_the_field_manager_preshard(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
     create_deployment_as_gitops(kube_api, namespace)
-    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", kwok_spec())
     resource = shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
 
     deployment = shm.read_deployment(kube_api, namespace, "vllm")

@@ -20,7 +20,8 @@ from preshard_devenv.kubeconfig import plain
 from preshard_devenv.nodes import on_node
 from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
-from tests.support.cluster import finish_job
+from tests.support.cluster import finish_job, job_named
+from tests.support.specs import kwok_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -94,21 +95,13 @@ def test_every_pod_preshard_creates_passes_the_restricted_standard(
     )
     # The CPU Jobs (probes, verifications, the reshard) wait on the manual node for the test
     # to report their outcome; the serialize Job runs on a kwok GPU node, which completes it.
-    body = {
-        "model": {"id": "org/model", "revision": "abc123"},
-        "storage": {
-            "uri": "s3://models/shards",
-            "endpoint": "http://s3.storage:8333",
-            "credentialsSecretRef": {"name": "s3"},
-        },
-        "tensorParallelSizes": [2],
-        "verification": {
+    body = kwok_spec(
+        verification={
             "nodeSelector": MANUAL["nodeSelector"],
             "tolerations": MANUAL["tolerations"],
         },
-        "targets": [{"name": "vllm"}],
-        "jobPods": JOB_PODS,
-    }
+        jobPods=JOB_PODS,
+    )
     workloads.create_sharded_model(kube_api, namespace, "llama", body)
     for tp in (2, 4):
         key = artifact_key_of(kube_api, namespace, tp)
@@ -219,15 +212,6 @@ def artifact_key_of(api: k8s.ApiClient, namespace: str, tp: int) -> str:
     entry = wait_for(lambda: tp_set(api, namespace, tp), what=f"a TP {tp} set in the status")
     key: str = entry["artifactKey"]
     return key
-
-
-def job_named(api: k8s.ApiClient, namespace: str, suffix: str) -> dict[str, Any]:
-    return wait_for(
-        lambda: next(
-            (j for j in shm.jobs(api, namespace) if j["metadata"]["name"].endswith(suffix)), None
-        ),
-        what=f"a Job named *{suffix}",
-    )
 
 
 def verified(tp: int) -> Outcome:

@@ -24,6 +24,7 @@ from preshard_devenv import workloads
 from preshard_devenv.kubeconfig import plain
 from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
+from tests.support.specs import kwok_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -35,16 +36,7 @@ CRASH_MESSAGE: Final = (
 
 
 def spec(**target: Any) -> dict[str, Any]:
-    return {
-        "model": {"id": "org/model", "revision": "abc123"},
-        "storage": {
-            "uri": "s3://models/shards",
-            "endpoint": "http://s3.storage:8333",
-            "credentialsSecretRef": {"name": "s3"},
-        },
-        "tensorParallelSizes": [2],
-        "targets": [{"name": "vllm", **target}],
-    }
+    return kwok_spec(targets=[{"name": "vllm", **target}])
 
 
 def create_deployment(
@@ -87,14 +79,6 @@ def only_target(resource: dict[str, Any]) -> dict[str, Any]:
     (found,) = resource["status"]["targets"]
     entry: dict[str, Any] = found
     return entry
-
-
-def events(api: k8s.ApiClient, namespace: str, reason: str) -> list[dict[str, Any]]:
-    """The ShardedModel's events with this reason."""
-    found = k8s.CoreV1Api(api).list_namespaced_event(
-        namespace, field_selector=f"involvedObject.kind=ShardedModel,reason={reason}"
-    )
-    return [plain(api, item) for item in found.items]
 
 
 def patched(deployment: dict[str, Any]) -> bool:
@@ -140,12 +124,12 @@ def test_ready_waits_for_the_rollout_of_the_patched_template(
     )
     # The first transition is an event; the rollout finishing is not.
     (event,) = wait_for(
-        lambda: events(kube_api, namespace, reasons.ROLLING_OUT),
+        lambda: shm.events(kube_api, namespace, reasons.ROLLING_OUT),
         timeout=30,
         what="a RollingOut event",
     )
     assert event["type"] == "Normal"
-    assert events(kube_api, namespace, reasons.PATCHED) == []
+    assert shm.events(kube_api, namespace, reasons.PATCHED) == []
 
 
 def test_a_crash_looping_patched_pod_turns_the_target_unavailable(
@@ -164,7 +148,7 @@ def test_a_crash_looping_patched_pod_turns_the_target_unavailable(
         in (target["message"])
     )
     (event,) = wait_for(
-        lambda: events(kube_api, namespace, reasons.TARGET_UNAVAILABLE),
+        lambda: shm.events(kube_api, namespace, reasons.TARGET_UNAVAILABLE),
         timeout=30,
         what="a TargetUnavailable event",
     )
@@ -236,12 +220,12 @@ def test_policy_restore_puts_the_original_back_after_the_progress_deadline(
     )
     # Events are posted after the pass that wrote the status.
     (event,) = wait_for(
-        lambda: events(kube_api, namespace, reasons.ROLLOUT_FAILED),
+        lambda: shm.events(kube_api, namespace, reasons.ROLLOUT_FAILED),
         timeout=30,
         what="a RolloutFailed event",
     )
     assert event["type"] == "Warning"
-    assert len(wait_for(lambda: events(kube_api, namespace, reasons.RESTORED), timeout=30)) == 1
+    assert len(wait_for(lambda: shm.events(kube_api, namespace, reasons.RESTORED), timeout=30)) == 1
 
     # Not patched again in a loop for the same set and spec.
     generation = restored["metadata"]["generation"]

@@ -13,9 +13,8 @@ from preshard.contract import reasons
 from preshard_devenv import workloads
 from preshard_devenv.kubeconfig import plain
 from preshard_devenv.procs import wait_for
-from tests.integration.test_controller import spec
-from tests.integration.test_rollout import events
 from tests.support import shardedmodels as shm
+from tests.support.specs import kwok_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -32,11 +31,11 @@ def test_restore_keeps_the_users_edits_and_drops_preshards_changes(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
     original = workloads.create_deployment(kube_api, namespace, "vllm", container=CONTAINER)
-    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", kwok_spec())
     ready = shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
     (target,) = ready["status"]["targets"]
     assert target["message"].endswith("\n" + OVERRIDE)
-    (announced,) = events(kube_api, namespace, reasons.ARGS_OVERRIDDEN)
+    (announced,) = shm.events(kube_api, namespace, reasons.ARGS_OVERRIDDEN)
     assert announced["message"] == f"Deployment vllm: {OVERRIDE}"
 
     # The user edits the patched Deployment: one more flag and an env var of their own.
@@ -76,7 +75,7 @@ def test_restore_keeps_the_users_edits_and_drops_preshards_changes(
     assert not any(
         key.startswith("preshard.dev/") for key in restored["metadata"].get("annotations") or {}
     )
-    (restore_event,) = events(kube_api, namespace, reasons.RESTORED)
+    (restore_event,) = shm.events(kube_api, namespace, reasons.RESTORED)
     assert restore_event["message"] == "Deployment vllm restored"
 
 
@@ -110,7 +109,7 @@ def test_a_deployment_another_controller_owns_is_patched_only_when_allowed(
     )
     before = shm.read_deployment(kube_api, namespace, "vllm")
 
-    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", kwok_spec())
     refused = shm.wait_condition(
         kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_MANAGED_BY_CONTROLLER
     )

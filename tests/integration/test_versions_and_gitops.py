@@ -17,8 +17,8 @@ from preshard_devenv import workloads
 from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.procs import wait_for
 from tests.integration.conftest import OPERATOR_ENV
-from tests.integration.test_controller import spec
 from tests.support import shardedmodels as shm
+from tests.support.specs import kwok_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
@@ -44,7 +44,7 @@ def test_a_server_on_another_vllm_release_is_refused_until_allowed(
 ) -> None:
     container = workloads.vllm_container(image="vllm/vllm-openai:v0.11.0")
     before = workloads.create_deployment(kube_api, namespace, "vllm", container=container)
-    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", kwok_spec())
     refused = shm.wait_condition(
         kube_api, namespace, "llama", "Ready", "False", reasons.VLLM_VERSION_MISMATCH
     )
@@ -74,7 +74,7 @@ def test_an_operator_upgrade_does_not_write_patched_deployments(
 ) -> None:
     workloads.create_deployment(kube_api, namespace, "vllm")
     workloads.create_sharded_model(
-        kube_api, namespace, "llama", spec(targets=[{"name": "vllm"}, {"name": "vllm-late"}])
+        kube_api, namespace, "llama", kwok_spec(targets=[{"name": "vllm"}, {"name": "vllm-late"}])
     )
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "False", reasons.TARGET_NOT_FOUND)
     patched = wait_for(lambda: loads_shards(kube_api, namespace), what="the patch")
@@ -115,7 +115,7 @@ def test_a_patch_reverted_again_and_again_is_given_up_until_retried(
     kube_api: k8s.ApiClient, namespace: str
 ) -> None:
     original = workloads.create_deployment(kube_api, namespace, "vllm")["spec"]["template"]
-    workloads.create_sharded_model(kube_api, namespace, "llama", spec())
+    workloads.create_sharded_model(kube_api, namespace, "llama", kwok_spec())
     generation = 0
     for _ in range(3):
 

@@ -62,6 +62,14 @@ def gone(api: k8s.ApiClient, namespace: str, name: str) -> bool:
     return False
 
 
+def events(api: k8s.ApiClient, namespace: str, reason: str) -> list[Manifest]:
+    """The events of the namespace's ShardedModels with this reason."""
+    found = k8s.CoreV1Api(api).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.kind=ShardedModel,reason={reason}"
+    )
+    return [plain(api, item) for item in found.items]
+
+
 def wait_condition(
     api: k8s.ApiClient,
     namespace: str,

@@ -77,6 +77,23 @@ def spec(
     }
 
 
+def kwok_spec(**fields: Any) -> Manifest:
+    """A ShardedModel spec for the kwok tier, `fields` replacing its top-level fields: kwok
+    completes its Jobs (or the test does, on the manual node), so its model and bucket are
+    never read."""
+    return {
+        "model": {"id": "org/model", "revision": "abc123"},
+        "storage": {
+            "uri": "s3://models/shards",
+            "endpoint": "http://s3.storage:8333",
+            "credentialsSecretRef": {"name": "s3"},
+        },
+        "tensorParallelSizes": [2],
+        "targets": [{"name": "vllm"}],
+        **fields,
+    }
+
+
 def create_credentials(api: k8s.ApiClient, namespace: str, server: S3Server) -> None:
     """The Secret with the S3 server's keys that the Jobs and patched pods reference."""
     k8s.CoreV1Api(api).create_namespaced_secret(
