@@ -80,20 +80,13 @@ class Interest:
         )
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
 @dataclass
 class Wakeups:
     """One asyncio event per running reconciler, set by the watch handlers.
 
     A Deployment event wakes the reconcilers that name it, own it, or select by label in its
-    namespace, found through maps rather than by asking every ShardedModel. A wake may come from
-    kopf's thread pool (a plain-function handler); it reaches the event through the loop.
+    namespace, found through maps rather than by asking every ShardedModel. Every wake comes from
+    a coroutine handler, on the loop the reconcilers wait on.
     """
 
     events: dict[Key, asyncio.Event] = field(default_factory=dict)
@@ -103,18 +96,14 @@ class Wakeups:
     owners: dict[Key, str] = field(default_factory=dict)
     """The ShardedModel that patched each Deployment, as its last watch event showed."""
 
-    loop: asyncio.AbstractEventLoop | None = None
-    """The loop the reconcilers wait on, known from the first one registered."""
-
     def register(self, key: Key) -> asyncio.Event:
-        """A new event for a reconciler that starts, on the running loop. Until its interest is
-        known, any Deployment in its namespace may matter to it.
+        """A new event for a reconciler that starts. Until its interest is known, any
+        Deployment in its namespace may matter to it.
 
         Always a new one, and `unregister` forgets only its own: kopf abandons a daemon that
         outlives its cancellation timeout, and one that ends after a ShardedModel of the same
         name was created again must not take its successor's event with it.
         """
-        self.loop = asyncio.get_running_loop()
         self.selecting[key[0]].add(key[1])
         event = self.events[key] = asyncio.Event()
         return event
@@ -138,14 +127,10 @@ class Wakeups:
             del self.events[key]
 
     def wake(self, key: Key) -> None:
-        """Wake one reconciler, if it runs: at once on the loop, through it from a thread."""
+        """Wake one reconciler, if it runs."""
         event = self.events.get(key)
-        if event is None or self.loop is None:
-            return
-        if _running_loop() is self.loop:
+        if event is not None:
             event.set()
-        else:
-            self.loop.call_soon_threadsafe(event.set)
 
     def wake_for_deployment(
         self, namespace: str, name: str, body: kopf.Body, *, deleted: bool = False
@@ -290,9 +275,10 @@ def close(memo: kopf.Memo, **_: Any) -> None:
         api.close()
 
 
-# The index handlers and the event handlers of Jobs, pods and Deployments are coroutines although
-# they do no I/O: kopf runs a plain function in its thread pool, so every watch event would wait
-# there behind busy threads (and the indexes fall behind the writes under load).
+# The index handlers and the event handlers are coroutines although they do no I/O: kopf runs a
+# plain function in its thread pool, so every watch event would wait there behind busy threads
+# (and the indexes fall behind the writes under load), and an event handler would set the
+# daemons' asyncio events from a thread that is not the event loop's.
 
 
 @kopf.index(*JOBS, labels=OWNED)
@@ -380,12 +366,8 @@ async def target_pod_failing(
         memo.wakeups.wake_for_pod(namespace, view.deployment)
 
 
-# This one stays a plain function (run in kopf's thread pool; `Wakeups.wake` hands the wake to
-# the loop). As a coroutine, a ShardedModel in a namespace being deleted, whose Job had vanished,
-# was not finished within 90 s in some runs: kopf neither stopped its daemon nor ran its deletion
-# (`test_a_terminating_namespace_is_no_reason_for_a_traceback`). Why is not known yet.
 @kopf.on.event(*SHARDEDMODELS)
-def resource_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def resource_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """A ShardedModel changed (spec, annotations or our own status write): reconcile it."""
     memo.wakeups.wake((namespace or "", name))
 
