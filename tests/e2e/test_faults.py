@@ -451,8 +451,12 @@ def test_the_target_deployment_deleted_recreated_and_edited_by_hand(
 
     reported = wait_for(image_reported, what="the image change to be reported")
     assert "v0.35.0" in reported["message"]
-    events = k8s.CoreV1Api(kube_api).list_namespaced_event(namespace).items
-    assert any(e.reason == reasons.TARGET_IMAGE_CHANGED and e.type == "Warning" for e in events)
+    # kopf posts events from a queue: the event may land after the status write it goes with.
+    warnings = wait_for(
+        lambda: shm.events(kube_api, namespace, reasons.TARGET_IMAGE_CHANGED),
+        what="the TargetImageChanged event",
+    )
+    assert {event["type"] for event in warnings} == {"Warning"}
     image = template_of(kube_api, namespace)["spec"]["containers"][0]["image"]
     assert image == "vllm/vllm-openai:v0.35.0", "the image is the user's: reported, not reverted"
 

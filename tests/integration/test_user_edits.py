@@ -35,7 +35,10 @@ def test_restore_keeps_the_users_edits_and_drops_preshards_changes(
     ready = shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
     (target,) = ready["status"]["targets"]
     assert target["message"].endswith("\n" + OVERRIDE)
-    (announced,) = shm.events(kube_api, namespace, reasons.ARGS_OVERRIDDEN)
+    (announced,) = wait_for(
+        lambda: shm.events(kube_api, namespace, reasons.ARGS_OVERRIDDEN),
+        what="the ArgsOverridden event",
+    )
     assert announced["message"] == f"Deployment vllm: {OVERRIDE}"
 
     # The user edits the patched Deployment: one more flag and an env var of their own.
@@ -75,7 +78,9 @@ def test_restore_keeps_the_users_edits_and_drops_preshards_changes(
     assert not any(
         key.startswith("preshard.dev/") for key in restored["metadata"].get("annotations") or {}
     )
-    (restore_event,) = shm.events(kube_api, namespace, reasons.RESTORED)
+    (restore_event,) = wait_for(
+        lambda: shm.events(kube_api, namespace, reasons.RESTORED), what="the Restored event"
+    )
     assert restore_event["message"] == "Deployment vllm restored"
 
 
