@@ -26,7 +26,7 @@ from preshard_devenv.procs import DevEnvError
 from preshard_devenv.s3server import S3Bucket, S3Server, create_bucket, start_s3_server
 
 _ROOT = Path(__file__).resolve().parent.parent
-_LOG_START = pytest.StashKey[dict[int, int]]()
+_LOG_START = pytest.StashKey[dict[OperatorProcess, int]]()
 _REPORTED_LINES = 200
 
 
@@ -59,14 +59,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def _operators(item: pytest.Item) -> list[OperatorProcess]:
+    """The operators a test used, each once (`running_operator` is `operator`, started)."""
     funcargs = getattr(item, "funcargs", {})
-    return [value for value in funcargs.values() if isinstance(value, OperatorProcess)]
+    return list(dict.fromkeys(v for v in funcargs.values() if isinstance(v, OperatorProcess)))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     """Remember where each operator's log stood when the test body began."""
-    item.stash[_LOG_START] = {id(op): len(op.log()) for op in _operators(item)}
+    item.stash[_LOG_START] = {op: len(op.log()) for op in _operators(item)}
     return (yield)
 
 
@@ -80,7 +81,7 @@ def pytest_runtest_makereport(
     if report.when == "call" and report.failed:
         starts = item.stash.get(_LOG_START, {})
         for operator in _operators(item):
-            lines = operator.log()[starts.get(id(operator), 0) :].splitlines()
+            lines = operator.log()[starts.get(operator, 0) :].splitlines()
             report.sections.append(
                 ("operator log during the test", "\n".join(lines[-_REPORTED_LINES:]))
             )

@@ -19,22 +19,19 @@ from preshard.contract import reasons
 from preshard.contract.outcome import Outcome
 from preshard_devenv import binaries, workloads
 from preshard_devenv.controlplane import LocalCluster
-from preshard_devenv.nodes import on_node
 from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
 from tests.support.cluster import finish_job, job_named
-from tests.support.specs import kwok_spec
+from tests.support.specs import kwok_spec, placement
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
-
-MANUAL = on_node("manual")
 
 
 def manual_spec(**changes: Any) -> dict[str, Any]:
     """Every Job of this ShardedModel lands on the manual node, where the test finishes it."""
-    placement = {"nodeSelector": MANUAL["nodeSelector"], "tolerations": MANUAL["tolerations"]}
-    return kwok_spec(serialization=placement, verification=placement, **changes)
+    manual = placement("manual")
+    return kwok_spec(serialization=manual, verification=manual, **changes)
 
 
 def test_lifecycle_probe_serialize_verify_patch(kube_api: k8s.ApiClient, namespace: str) -> None:

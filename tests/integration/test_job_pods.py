@@ -17,15 +17,13 @@ from preshard.contract import reasons
 from preshard.contract.outcome import Outcome
 from preshard_devenv import workloads
 from preshard_devenv.kubeconfig import plain
-from preshard_devenv.nodes import on_node
 from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
 from tests.support.cluster import finish_job, job_named
-from tests.support.specs import kwok_spec
+from tests.support.specs import kwok_spec, placement
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
-MANUAL: Final = on_node("manual")
 RESTRICTED_POD: dict[str, Any] = {
     "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 }
@@ -96,10 +94,7 @@ def test_every_pod_preshard_creates_passes_the_restricted_standard(
     # The CPU Jobs (probes, verifications, the reshard) wait on the manual node for the test
     # to report their outcome; the serialize Job runs on a kwok GPU node, which completes it.
     body = kwok_spec(
-        verification={
-            "nodeSelector": MANUAL["nodeSelector"],
-            "tolerations": MANUAL["tolerations"],
-        },
+        verification=placement("manual"),
         jobPods=JOB_PODS,
     )
     workloads.create_sharded_model(kube_api, namespace, "llama", body)
@@ -161,10 +156,7 @@ def test_scratch_on_a_claim_is_admitted_and_the_claim_made_with_the_pod(
         "storage": {"uri": "s3://models/shards", "endpoint": "http://s3.storage:8333"},
         "tensorParallelSizes": [2],
         "serialization": {"scratchSize": "300Gi", "scratchVolume": {"storageClassName": "nvme"}},
-        "verification": {
-            "nodeSelector": MANUAL["nodeSelector"],
-            "tolerations": MANUAL["tolerations"],
-        },
+        "verification": placement("manual"),
     }
     workloads.create_sharded_model(kube_api, namespace, "llama", body)
     key = artifact_key_of(kube_api, namespace, 2)

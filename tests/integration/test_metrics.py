@@ -21,16 +21,15 @@ from preshard.contract import reasons
 from preshard.contract.outcome import Outcome, exit_code
 from preshard_devenv import procs, workloads
 from preshard_devenv.controlplane import LocalCluster
-from preshard_devenv.nodes import on_node
 from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.procs import wait_for
 from tests.integration.conftest import OPERATOR_ENV
 from tests.support import shardedmodels as shm
 from tests.support.cluster import complete_pod, job_pods
+from tests.support.specs import kwok_spec, placement
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
 
-MANUAL = on_node("manual")
 SECRET_NAME = "s3-credentials-metrics"
 SECRET_KEY_ID = "AKIAMETRICSTEST00001"
 SECRET_ACCESS_KEY = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYMETRICSKEY"
@@ -98,18 +97,12 @@ def wait_moved(
 
 
 def spec(**changes: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "model": {"id": "org/model", "revision": "abc123"},
-        "storage": {
-            "uri": STORAGE_URI,
-            "endpoint": ENDPOINT,
-            "credentialsSecretRef": {"name": SECRET_NAME},
-        },
-        "tensorParallelSizes": [2],
-        "targets": [{"name": "vllm"}],
+    storage = {
+        "uri": STORAGE_URI,
+        "endpoint": ENDPOINT,
+        "credentialsSecretRef": {"name": SECRET_NAME},
     }
-    base.update(changes)
-    return base
+    return kwok_spec(storage=storage, **changes)
 
 
 def create_secret(api: k8s.ApiClient, namespace: str) -> None:
@@ -185,12 +178,12 @@ def test_each_jobs_result_and_figures_count_once_and_a_deleted_model_leaves_the_
     kube_api: k8s.ApiClient, namespace: str, running_operator: OperatorProcess
 ) -> None:
     before = Scrape(running_operator)
-    placement = {"nodeSelector": MANUAL["nodeSelector"], "tolerations": MANUAL["tolerations"]}
+    manual = placement("manual")
     workloads.create_sharded_model(
         kube_api,
         namespace,
         "qwen",
-        spec(serialization=placement, verification=placement, targets=[]),
+        spec(serialization=manual, verification=manual, targets=[]),
     )
     finish(
         kube_api,
