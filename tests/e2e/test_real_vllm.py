@@ -208,6 +208,8 @@ def test_vllm_makes_the_shards_and_serves_the_patched_deployments(
     (tp1_set,) = serialized["status"]["shardSets"]
 
     # The edit that adds a TP size: its set is made on CPU from the TP 1 set, with no GPU Job.
+    # `Serialized` turns True while the TP 1 set's verify Job runs, so the TP 2 probe may end
+    # first: the set then waits for that check (WaitingForSource) instead of serializing.
     edited = {**body, "tensorParallelSizes": [1, 2], "targets": targets}
     kubectl_apply(
         admin_kubectl, workloads.sharded_model("tiny", edited, namespace=namespace), tmp_path

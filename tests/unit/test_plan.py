@@ -1053,6 +1053,79 @@ def test_a_superseded_set_still_loaded_is_a_reshard_source() -> None:
     assert new.resharded_from == source
 
 
+def add_tp_4_while_tp_2_is_verified(world: World) -> tuple[str, Plan]:
+    """TP 2 serialized and its verify Job running when the spec asks for TP 4 too (`Serialized`
+    is True then, and a person adds a TP size): the TP 2 key, and the plan of the pass that
+    read TP 4's probe."""
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    world.step()
+    world.finish(world.only_set().job, serialized())
+    world.step()
+    assert world.condition(conditions.SERIALIZED)[0] == "True"
+    source = world.only_set()
+    world.spec["tensorParallelSizes"] = [2, 4]
+    world.generation = 2
+    world.step()
+    world.finish(set_at(world, 4).job, failed("verify", reasons.MANIFEST_MISSING))
+    return source.artifact_key, world.step()
+
+
+def test_a_new_tp_size_waits_for_a_set_being_verified_and_reshards_from_it() -> None:
+    world = World()
+    source, result = add_tp_4_while_tp_2_is_verified(world)
+    assert result.create_jobs == []
+    waiting = set_at(world, 4)
+    assert (waiting.stage, waiting.reason) == ("Probing", reasons.WAITING_FOR_SOURCE)
+    assert waiting.message == (
+        f"not in storage; waits for the TP 2 set {source}, being verified now, "
+        "to reshard from it on CPU"
+    )
+    assert [(e.type, e.reason) for e in result.events] == [("Normal", reasons.WAITING_FOR_SOURCE)]
+    # Waiting is converged: the same observation decides nothing new and writes nothing.
+    before = world.status
+    quiet = world.step()
+    assert (quiet.create_jobs, quiet.events, quiet.status) == ([], [], before)
+
+    # The pass that reads the TP 2 verification still sees it being verified; the next reshards.
+    world.finish(set_at(world, 2).job, verified())
+    assert world.step().create_jobs == []
+    assert set_at(world, 2).stage == "Verified"
+    (job,) = world.step().create_jobs
+    assert job["metadata"]["name"].endswith("-reshard-1")
+    entry = set_at(world, 4)
+    assert (entry.stage, entry.resharded_from, entry.serialize_run) == ("Resharding", source, 0)
+
+
+def test_a_new_tp_size_serializes_when_the_set_it_waited_for_is_broken() -> None:
+    world = World()
+    add_tp_4_while_tp_2_is_verified(world)
+    world.finish(set_at(world, 2).job, failed("verify", reasons.SHARD_MISSING, "rank 1 missing"))
+    world.step()
+    assert set_at(world, 2).stage == "Failed"
+    (job,) = world.step().create_jobs
+    assert job["metadata"]["name"].endswith("-serialize-1")
+    assert set_at(world, 4).stage == "Serializing"
+
+
+def test_a_set_backing_off_from_its_verification_is_not_waited_for() -> None:
+    world = World()
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    world.step()
+    world.finish(world.only_set().job, serialized())
+    world.step()
+    world.finish(world.only_set().job, failed("verify", reasons.UNREACHABLE, "connection refused"))
+    world.step()
+    assert (world.only_set().stage, world.only_set().job) == ("Verifying", None)
+    world.spec["tensorParallelSizes"] = [2, 4]
+    world.generation = 2
+    world.step()
+    world.finish(set_at(world, 4).job, failed("verify", reasons.MANIFEST_MISSING))
+    (job,) = world.step().create_jobs
+    assert job["metadata"]["name"].endswith("-serialize-1")
+
+
 def test_a_reshard_job_deleted_under_the_operator_is_created_again() -> None:
     world = World()
     _, entry, _ = add_tp_4(world)

@@ -7,7 +7,7 @@ the actions it needs: the Job to create or delete, the time to look again, an ev
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Iterable, Set
 from datetime import timedelta
 from typing import Final
 
@@ -275,9 +275,25 @@ def _deleted(context: Context, entry: ShardSetStatus, outcome: Outcome) -> Step:
 
 
 def _make(context: Context, entry: ShardSetStatus, shard_set: ShardSet) -> Step:
-    """Write a set that is not in storage: on CPU from a sibling set if there is one."""
-    source = _reshard_source(context, shard_set)
+    """Write a set that is not in storage: on CPU from a sibling set if there is one.
+
+    A sibling that is written and being verified right now is waited for: its check takes
+    seconds, where a serialize Job holds GPUs for minutes. The set stays on its finished probe
+    meanwhile, so each pass decides again, and the sibling's status write wakes the next one.
+    """
+    siblings = _siblings(context, shard_set)
+    source = _smallest(e for e in siblings if e.stage in ("Verified", "Superseded"))
     if source is None:
+        pending = _smallest(e for e in siblings if e.stage == "Verifying" and e.job is not None)
+        if pending is not None:
+            waiting = entry.model_copy(
+                update={
+                    "reason": reasons.WAITING_FOR_SOURCE,
+                    "message": f"not in storage; waits for the TP {pending.tensor_parallel_size} "
+                    f"set {pending.artifact_key}, being verified now, to reshard from it on CPU",
+                }
+            )
+            return waiting, Actions()
         return _start(context, entry, shard_set, jobs.SERIALIZE)
     started, start = _start(
         context,
@@ -294,24 +310,27 @@ def _make(context: Context, entry: ShardSetStatus, shard_set: ShardSet) -> Step:
     return resharding, start
 
 
-def _reshard_source(context: Context, shard_set: ShardSet) -> ShardSetStatus | None:
-    """A verified set of this spec at another TP size, if resharding is on.
+def _siblings(context: Context, shard_set: ShardSet) -> list[ShardSetStatus]:
+    """This spec's sets at other TP sizes, if resharding is on: the possible reshard sources.
 
-    Its key must be the one the current spec gives its TP size: then model, revision,
+    A sibling's key must be the one the current spec gives its TP size: then model, revision,
     dtype, image (vLLM version), engine arguments and encryption key are the same, and the
-    TP size is the only difference. A set still loaded after the spec moved on
-    (`Superseded`) qualifies too. The smallest TP size wins, so the choice is stable.
+    TP size is the only difference. A `Verified` one is a source, and so is one still loaded
+    after the spec moved on (`Superseded`).
     """
     if not context.spec.serialization.reshard:
-        return None
-    candidates = [
+        return []
+    return [
         e
         for e in context.previous.values()
-        if e.stage in ("Verified", "Superseded")
-        and e.tensor_parallel_size != shard_set.tensor_parallel_size
+        if e.tensor_parallel_size != shard_set.tensor_parallel_size
         and e.artifact_key == context.key(e.tensor_parallel_size)
     ]
-    return min(candidates, key=lambda e: e.tensor_parallel_size, default=None)
+
+
+def _smallest(entries: Iterable[ShardSetStatus]) -> ShardSetStatus | None:
+    """The set of the smallest TP size, so the choice of a source is stable."""
+    return min(entries, key=lambda e: e.tensor_parallel_size, default=None)
 
 
 def _start(context: Context, entry: ShardSetStatus, shard_set: ShardSet, kind: str) -> Step:
