@@ -22,7 +22,14 @@ from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
-from tests.support.cluster import finish_job, job_named
+from tests.support.cluster import (
+    MISSING,
+    RESHARDED,
+    SERIALIZED,
+    finish_job,
+    job_named,
+    verified,
+)
 from tests.support.specs import kwok_spec, placement
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
@@ -43,12 +50,7 @@ def test_lifecycle_probe_serialize_verify_patch(kube_api: k8s.ApiClient, namespa
     assert container["args"][:3] == ["verify", container["args"][1], "--tensor-parallel-size"]
     assert probe["metadata"]["ownerReferences"][0]["kind"] == "ShardedModel"
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "False", reasons.PROBING)
-    finish_job(
-        kube_api,
-        namespace,
-        probe,
-        Outcome(command="verify", ok=False, reason=reasons.MANIFEST_MISSING),
-    )
+    finish_job(kube_api, namespace, probe, MISSING)
 
     serialize = job_named(kube_api, namespace, "-serialize-1")
     pod_spec = serialize["spec"]["template"]["spec"]
@@ -232,32 +234,57 @@ def test_restart_picks_up_a_running_job_without_a_second_one(
 ) -> None:
     workloads.create_deployment(kube_api, namespace, "vllm")
     workloads.create_sharded_model(kube_api, namespace, "llama", manual_spec())
-    probe = job_named(kube_api, namespace, "-verify-1")
-    finish_job(
-        kube_api,
-        namespace,
-        probe,
-        Outcome(command="verify", ok=False, reason=reasons.MANIFEST_MISSING),
-    )
+    finish_job(kube_api, namespace, job_named(kube_api, namespace, "-verify-1"), MISSING)
     job_named(kube_api, namespace, "-serialize-1")
 
     running_operator.kill()
     running_operator.start()
-    serialize = job_named(kube_api, namespace, "-serialize-1")
-    finish_job(
-        kube_api,
-        namespace,
-        serialize,
-        Outcome(command="serialize", ok=True, reason=reasons.SERIALIZED),
-    )
-    verify = job_named(kube_api, namespace, "-verify-2")
-    finish_job(
-        kube_api, namespace, verify, Outcome(command="verify", ok=True, reason=reasons.VERIFIED)
-    )
+    finish_job(kube_api, namespace, job_named(kube_api, namespace, "-serialize-1"), SERIALIZED)
+    finish_job(kube_api, namespace, job_named(kube_api, namespace, "-verify-2"), verified(2))
     shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
     names = [j["metadata"]["name"] for j in shm.jobs(kube_api, namespace)]
     assert sum(name.endswith("-serialize-1") for name in names) == 1
     assert not any("-serialize-2" in name for name in names)
+
+
+def test_a_tp_size_added_while_the_first_set_is_verified_is_resharded_from_it(
+    kube_api: k8s.ApiClient, namespace: str
+) -> None:
+    """`Serialized` turns True while the first set's verify Job runs. A TP size added then,
+    whose probe ends first, waits for that check instead of starting a GPU Job; the status
+    write of the verified set wakes it, and it reshards on CPU."""
+    workloads.create_deployment(kube_api, namespace, "vllm")
+    workloads.create_sharded_model(kube_api, namespace, "llama", manual_spec())
+    finish_job(kube_api, namespace, job_named(kube_api, namespace, "-verify-1"), MISSING)
+    finish_job(kube_api, namespace, job_named(kube_api, namespace, "-serialize-1"), SERIALIZED)
+    check = job_named(kube_api, namespace, "-verify-2")
+    shm.wait_condition(kube_api, namespace, "llama", "Serialized", "True", reasons.SERIALIZED)
+    source = shm.artifact_key(kube_api, namespace, "llama", 2)
+
+    shm.patch(kube_api, namespace, "llama", {"spec": {"tensorParallelSizes": [2, 4]}})
+    key = shm.artifact_key(kube_api, namespace, "llama", 4)
+    finish_job(kube_api, namespace, job_named(kube_api, namespace, f"{key[:8]}-verify-1"), MISSING)
+
+    def waiting() -> dict[str, Any] | None:
+        entry = shm.shard_set(kube_api, namespace, "llama", 4)
+        return entry if entry and entry["reason"] == reasons.WAITING_FOR_SOURCE else None
+
+    entry = wait_for(waiting, what="the TP 4 set to wait for the TP 2 set's verification")
+    assert f"the TP 2 set {source}, being verified now" in entry["message"], entry
+    wait_for(
+        lambda: shm.events(kube_api, namespace, reasons.WAITING_FOR_SOURCE),
+        what="the WaitingForSource event",
+    )
+    finish_job(kube_api, namespace, check, verified(2))
+    reshard = job_named(kube_api, namespace, f"{key[:8]}-reshard-1")
+    finish_job(kube_api, namespace, reshard, RESHARDED)
+    finish_job(
+        kube_api, namespace, job_named(kube_api, namespace, f"{key[:8]}-verify-2"), verified(4)
+    )
+    shm.wait_condition(kube_api, namespace, "llama", "Verified", "True", reasons.VERIFIED)
+    assert (shm.shard_set(kube_api, namespace, "llama", 4) or {}).get("reshardedFrom") == source
+    names = [j["metadata"]["name"] for j in shm.jobs(kube_api, namespace)]
+    assert [n for n in names if "-serialize-" in n] == [f"llama-{source[:8]}-serialize-1"], names
 
 
 def test_kubectl_shows_ready_reason_and_tp(

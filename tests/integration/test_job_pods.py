@@ -8,18 +8,17 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import Any
 
 import pytest
 from kubernetes import client as k8s
 
 from preshard.contract import reasons
-from preshard.contract.outcome import Outcome
 from preshard_devenv import workloads
 from preshard_devenv.kubeconfig import plain
 from preshard_devenv.procs import wait_for
 from tests.support import shardedmodels as shm
-from tests.support.cluster import finish_job, job_named
+from tests.support.cluster import MISSING, RESHARDED, finish_job, job_named, verified
 from tests.support.specs import kwok_spec, placement
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("running_operator")]
@@ -99,7 +98,7 @@ def test_every_pod_preshard_creates_passes_the_restricted_standard(
     )
     workloads.create_sharded_model(kube_api, namespace, "llama", body)
     for tp in (2, 4):
-        key = artifact_key_of(kube_api, namespace, tp)
+        key = shm.artifact_key(kube_api, namespace, "llama", tp)
         finish_job(
             kube_api, namespace, job_named(kube_api, namespace, f"{key[:8]}-verify-1"), MISSING
         )
@@ -113,7 +112,10 @@ def test_every_pod_preshard_creates_passes_the_restricted_standard(
             shm.wait_condition(kube_api, namespace, "llama", "Ready", "True", reasons.READY)
             # A second TP size: its set is resharded from the first by a CPU Job.
             shm.patch(kube_api, namespace, "llama", {"spec": {"tensorParallelSizes": [2, 4]}})
-    wait_for(lambda: tp_set(kube_api, namespace, 4, stage="Verified"), what="the TP 4 set verified")
+    wait_for(
+        lambda: (shm.shard_set(kube_api, namespace, "llama", 4) or {}).get("stage") == "Verified",
+        what="the TP 4 set verified",
+    )
 
     jobs = shm.jobs(kube_api, namespace)
     kinds = sorted(j["metadata"]["labels"]["preshard.dev/command"] for j in jobs)
@@ -159,7 +161,7 @@ def test_scratch_on_a_claim_is_admitted_and_the_claim_made_with_the_pod(
         "verification": placement("manual"),
     }
     workloads.create_sharded_model(kube_api, namespace, "llama", body)
-    key = artifact_key_of(kube_api, namespace, 2)
+    key = shm.artifact_key(kube_api, namespace, "llama", 2)
     finish_job(kube_api, namespace, job_named(kube_api, namespace, f"{key[:8]}-verify-1"), MISSING)
     serialize = job_named(kube_api, namespace, f"{key[:8]}-serialize-1")
     core = k8s.CoreV1Api(kube_api)
@@ -183,32 +185,3 @@ def test_scratch_on_a_claim_is_admitted_and_the_claim_made_with_the_pod(
     assert "ephemeral-storage" not in requests
     refusals = core.list_namespaced_event(namespace, field_selector="reason=FailedCreate").items
     assert refusals == [], [e.message for e in refusals]
-
-
-def tp_set(
-    api: k8s.ApiClient, namespace: str, tp: int, stage: str | None = None
-) -> dict[str, Any] | None:
-    """The status entry of the ShardedModel's set at one TP size (in a stage)."""
-    sets = (shm.get(api, namespace, "llama").get("status") or {}).get("shardSets") or []
-    return next(
-        (
-            s
-            for s in sets
-            if s["tensorParallelSize"] == tp and (stage is None or s["stage"] == stage)
-        ),
-        None,
-    )
-
-
-def artifact_key_of(api: k8s.ApiClient, namespace: str, tp: int) -> str:
-    entry = wait_for(lambda: tp_set(api, namespace, tp), what=f"a TP {tp} set in the status")
-    key: str = entry["artifactKey"]
-    return key
-
-
-def verified(tp: int) -> Outcome:
-    return Outcome(command="verify", ok=True, reason=reasons.VERIFIED, tensor_parallel_size=tp)
-
-
-MISSING: Final = Outcome(command="verify", ok=False, reason=reasons.MANIFEST_MISSING)
-RESHARDED: Final = Outcome(command="reshard", ok=True, reason=reasons.RESHARDED)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from preshard.contract import reasons
 from preshard.contract.outcome import Outcome, exit_code
 from preshard_devenv import nodes
 from preshard_devenv.kubeconfig import api_client, plain
@@ -139,6 +140,18 @@ def complete_pod(
     k8s.CoreV1Api(api).patch_namespaced_pod_status(
         meta.name, meta.namespace, body, _content_type="application/merge-patch+json"
     )
+
+
+# What the data-plane commands report, for `finish_job`: a probe that finds no set, a
+# serialize or reshard that wrote one, a verification that found it complete.
+MISSING: Final = Outcome(command="verify", ok=False, reason=reasons.MANIFEST_MISSING)
+SERIALIZED: Final = Outcome(command="serialize", ok=True, reason=reasons.SERIALIZED)
+RESHARDED: Final = Outcome(command="reshard", ok=True, reason=reasons.RESHARDED)
+
+
+def verified(tp: int) -> Outcome:
+    """A verification that found a complete set for TP `tp`."""
+    return Outcome(command="verify", ok=True, reason=reasons.VERIFIED, tensor_parallel_size=tp)
 
 
 def finish_job(api: k8s.ApiClient, namespace: str, job: dict[str, Any], outcome: Outcome) -> None:

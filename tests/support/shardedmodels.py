@@ -158,6 +158,20 @@ def only_set(resource: Manifest) -> Manifest:
     return found
 
 
+def shard_set(api: k8s.ApiClient, namespace: str, name: str, tp: int) -> Manifest | None:
+    """The status entry of a ShardedModel's set at one TP size, if the status has one."""
+    sets = (get(api, namespace, name).get("status") or {}).get("shardSets") or []
+    return next((s for s in sets if s["tensorParallelSize"] == tp), None)
+
+
+def artifact_key(api: k8s.ApiClient, namespace: str, name: str, tp: int) -> str:
+    """The key of a ShardedModel's set at one TP size, once the status names that set."""
+    entry = wait_for(
+        lambda: shard_set(api, namespace, name, tp), what=f"a TP {tp} set in {name}'s status"
+    )
+    return str(entry["artifactKey"])
+
+
 def forbid_tracebacks(operator: OperatorProcess) -> None:
     """Fail when the operator is down or has logged a traceback."""
     assert operator.alive(), f"the operator exited:\n{operator.log_tail()}"
