@@ -229,15 +229,32 @@ def test_two_resources_cannot_own_one_deployment(kube_api: k8s.ApiClient, namesp
     assert shm.flag(args, "--tensor-parallel-size") == "2"
 
 
+@pytest.mark.parametrize(
+    "status_lost", [False, True], ids=["killed", "killed-before-the-status-write"]
+)
 def test_restart_picks_up_a_running_job_without_a_second_one(
-    kube_api: k8s.ApiClient, namespace: str, running_operator: OperatorProcess
+    kube_api: k8s.ApiClient, namespace: str, running_operator: OperatorProcess, status_lost: bool
 ) -> None:
+    """SIGKILL while the serialize Job runs, and also in the instant between creating it and
+    writing the status that names it (the status is put back as it was before that pass): the
+    restarted operator takes the Job over, and no second one starts."""
     workloads.create_deployment(kube_api, namespace, "vllm")
     workloads.create_sharded_model(kube_api, namespace, "llama", manual_spec())
-    finish_job(kube_api, namespace, job_named(kube_api, namespace, "-verify-1"), MISSING)
+    probe = job_named(kube_api, namespace, "-verify-1")
+    wait_for(
+        lambda: (
+            (shm.shard_set(kube_api, namespace, "llama", 2) or {}).get("job")
+            == probe["metadata"]["name"]
+        ),
+        what="the status to name the probe",
+    )
+    before = shm.get(kube_api, namespace, "llama")["status"]
+    finish_job(kube_api, namespace, probe, MISSING)
     job_named(kube_api, namespace, "-serialize-1")
 
     running_operator.kill()
+    if status_lost:
+        shm.replace_status(kube_api, namespace, "llama", before)
     running_operator.start()
     finish_job(kube_api, namespace, job_named(kube_api, namespace, "-serialize-1"), SERIALIZED)
     finish_job(kube_api, namespace, job_named(kube_api, namespace, "-verify-2"), verified(2))

@@ -44,6 +44,20 @@ def patch(api: k8s.ApiClient, namespace: str, name: str, body: dict[str, Any]) -
     )
 
 
+def replace_status(api: k8s.ApiClient, namespace: str, name: str, status: Manifest) -> None:
+    """Put a ShardedModel's whole status back as it was (what an operator that stopped before
+    its status write leaves behind)."""
+    current = get(api, namespace, name)
+    k8s.CustomObjectsApi(api).replace_namespaced_custom_object_status(
+        models.GROUP,
+        models.VERSION,
+        namespace,
+        models.PLURAL,
+        name,
+        {**current, "status": status},
+    )
+
+
 def delete(api: k8s.ApiClient, namespace: str, name: str) -> None:
     """Delete a ShardedModel (its finalizer runs the cleanup)."""
     k8s.CustomObjectsApi(api).delete_namespaced_custom_object(

@@ -1135,6 +1135,33 @@ def test_a_reshard_job_deleted_under_the_operator_is_created_again() -> None:
     assert again["spec"]["template"]["spec"]["containers"][0]["args"][0] == "reshard"
 
 
+def test_a_running_job_the_status_never_recorded_is_taken_over() -> None:
+    """The operator stopped between creating a Job and writing the status that names it: the
+    next operator finds the Job running and takes it over instead of starting a second run."""
+    world = World()
+    (probe,) = world.step().create_jobs
+    world.status = ShardedModelStatus()
+    assert [j["metadata"]["name"] for j in world.step().create_jobs] == [probe["metadata"]["name"]]
+    assert (world.only_set().job, world.only_set().verify_run) == (probe["metadata"]["name"], 1)
+
+    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
+    before = world.status
+    (serialize,) = world.step().create_jobs
+    name = serialize["metadata"]["name"]
+    assert name.endswith("-serialize-1")
+    world.status = before
+    assert [j["metadata"]["name"] for j in world.step().create_jobs] == [name]
+    entry = world.only_set()
+    assert (entry.stage, entry.job, entry.serialize_run) == ("Serializing", name, 1)
+
+    # Once it has finished it is no longer taken over: its result may be of an earlier life
+    # of the set (see below), so a run of its own starts.
+    world.finish(name, serialized())
+    world.status = before
+    (again,) = world.step().create_jobs
+    assert again["metadata"]["name"].endswith("-serialize-2")
+
+
 def test_a_set_released_and_wanted_again_gets_jobs_of_its_own() -> None:
     """The churn case: a TP size dropped while its probe ran (its Job deleted, its entry
     released) and asked for again must not wait for the old Job, which no longer runs."""

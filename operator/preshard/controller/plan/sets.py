@@ -342,7 +342,16 @@ def _start(context: Context, entry: ShardSetStatus, shard_set: ShardSet, kind: s
     # Past every run the cluster still has or just lost: a set released and wanted again
     # starts its counters at zero, while Jobs of its earlier life may remain (finished, or
     # deleted a moment ago), and no such name may be taken for the new run.
-    run = max(int(getattr(entry, counter)), _last_run(context, shard_set, kind)) + 1
+    recorded = int(getattr(entry, counter))
+    last = _last_run(context, shard_set, kind)
+    run = max(recorded, last) + 1
+    if last > recorded and _running(
+        context, child_name(context.resource.owner, shard_set, kind, last)
+    ):
+        # A run the status never recorded, still running: the operator stopped between
+        # creating its Job and writing the status. That Job is this run (a second one would
+        # hold the GPUs twice); creating it again is a no-op.
+        run = last
     if kind == jobs.SERIALIZE:
         entry = entry.model_copy(update={"resharded_from": None})
     manifest = _build(context, kind, shard_set, run, entry)
@@ -366,6 +375,17 @@ def _start(context: Context, entry: ShardSetStatus, shard_set: ShardSet, kind: s
         }
     )
     return started, Actions(create_jobs=(manifest,))
+
+
+def _running(context: Context, name: str) -> bool:
+    """Whether a Job runs and is not on its way out."""
+    job = context.observed.jobs.get(name)
+    return (
+        job is not None
+        and not job.finished
+        and not job.deleting
+        and name not in context.observed.deleted_jobs
+    )
 
 
 def _last_run(context: Context, shard_set: ShardSet, kind: str) -> int:
