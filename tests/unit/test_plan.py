@@ -255,12 +255,17 @@ def serialized() -> Outcome:
     return Outcome(command="serialize", ok=True, reason=reasons.SERIALIZED, total_bytes=1000)
 
 
-def drive_to_ready(world: World) -> None:
+def drive_to_verifying(world: World) -> None:
+    """Probed, serialized, and its verify Job running."""
     world.step()
     world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
     world.step()
     world.finish(world.only_set().job, serialized())
     world.step()
+
+
+def drive_to_ready(world: World) -> None:
+    drive_to_verifying(world)
     world.finish(world.only_set().job, verified())
     world.step()
     world.roll_out()
@@ -934,13 +939,18 @@ def add_tp_4(world: World) -> tuple[str, Any, Plan]:
     probe found nothing, and the plan of that pass."""
     drive_to_ready(world)
     source = world.only_set().artifact_key
+    result = ask_for_tp_4(world)
+    return source, set_at(world, 4), result
+
+
+def ask_for_tp_4(world: World) -> Plan:
+    """The spec asks for TP 4 beside TP 2 and the TP 4 probe finds nothing: the plan of the
+    pass that reads that probe."""
     world.spec["tensorParallelSizes"] = [2, 4]
     world.generation = 2
     world.step()
-    new = set_at(world, 4)
-    world.finish(new.job, failed("verify", reasons.MANIFEST_MISSING))
-    result = world.step()
-    return source, set_at(world, 4), result
+    world.finish(set_at(world, 4).job, failed("verify", reasons.MANIFEST_MISSING))
+    return world.step()
 
 
 def test_a_new_tp_size_is_resharded_on_cpu_from_a_verified_set() -> None:
@@ -1057,18 +1067,10 @@ def add_tp_4_while_tp_2_is_verified(world: World) -> tuple[str, Plan]:
     """TP 2 serialized and its verify Job running when the spec asks for TP 4 too (`Serialized`
     is True then, and a person adds a TP size): the TP 2 key, and the plan of the pass that
     read TP 4's probe."""
-    world.step()
-    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
-    world.step()
-    world.finish(world.only_set().job, serialized())
-    world.step()
+    drive_to_verifying(world)
     assert world.condition(conditions.SERIALIZED)[0] == "True"
-    source = world.only_set()
-    world.spec["tensorParallelSizes"] = [2, 4]
-    world.generation = 2
-    world.step()
-    world.finish(set_at(world, 4).job, failed("verify", reasons.MANIFEST_MISSING))
-    return source.artifact_key, world.step()
+    source = world.only_set().artifact_key
+    return source, ask_for_tp_4(world)
 
 
 def test_a_new_tp_size_waits_for_a_set_being_verified_and_reshards_from_it() -> None:
@@ -1110,19 +1112,11 @@ def test_a_new_tp_size_serializes_when_the_set_it_waited_for_is_broken() -> None
 
 def test_a_set_backing_off_from_its_verification_is_not_waited_for() -> None:
     world = World()
-    world.step()
-    world.finish(world.only_set().job, failed("verify", reasons.MANIFEST_MISSING))
-    world.step()
-    world.finish(world.only_set().job, serialized())
-    world.step()
+    drive_to_verifying(world)
     world.finish(world.only_set().job, failed("verify", reasons.UNREACHABLE, "connection refused"))
     world.step()
     assert (world.only_set().stage, world.only_set().job) == ("Verifying", None)
-    world.spec["tensorParallelSizes"] = [2, 4]
-    world.generation = 2
-    world.step()
-    world.finish(set_at(world, 4).job, failed("verify", reasons.MANIFEST_MISSING))
-    (job,) = world.step().create_jobs
+    (job,) = ask_for_tp_4(world).create_jobs
     assert job["metadata"]["name"].endswith("-serialize-1")
 
 
@@ -1160,6 +1154,20 @@ def test_a_running_job_the_status_never_recorded_is_taken_over() -> None:
     world.status = before
     (again,) = world.step().create_jobs
     assert again["metadata"]["name"].endswith("-serialize-2")
+
+
+def test_a_job_deleted_a_moment_ago_is_not_taken_over_while_the_index_still_lists_it() -> None:
+    world = World({**BASE_SPEC, "tensorParallelSizes": [2, 4]})
+    world.step()
+    old = set_at(world, 4).job
+    world.spec["tensorParallelSizes"] = [2]
+    world.generation = 2
+    world.step()
+    world.jobs[old] = running(old, "verify")
+    world.spec["tensorParallelSizes"] = [2, 4]
+    world.generation = 3
+    world.step(deleted_jobs=frozenset({old}))
+    assert set_at(world, 4).job == old.replace("-verify-1", "-verify-2")
 
 
 def test_a_set_released_and_wanted_again_gets_jobs_of_its_own() -> None:
