@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import itertools
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Final
@@ -62,6 +63,19 @@ WATCHED: Final = (JOBS, PODS, DEPLOYMENTS, SHARDEDMODELS)
 API_REQUESTS: Final = 32
 
 Key = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class DeploymentKey:
+    """A key of the Deployment index: all of a namespace's, one by name, or those one
+    ShardedModel patched."""
+
+    namespace: str
+    name: str = ""
+    patched_by: str = ""
+
+
+DeploymentEntry = tuple[str, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -312,8 +326,21 @@ async def target_pod_index(namespace: str | None, body: kopf.Body, **_: Any) -> 
 
 @kopf.index(*DEPLOYMENTS)
 async def deployment_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> Any:
-    """Deployments by namespace: `namespace -> (name, manifest)`."""
-    return {namespace or "": (name, copy.deepcopy(trim(body)))}
+    """Deployments: `DeploymentKey -> (name, manifest)`."""
+    return deployment_entries(namespace or "", name, body)
+
+
+def deployment_entries(
+    namespace: str, name: str, body: Mapping[str, Any]
+) -> dict[DeploymentKey, DeploymentEntry]:
+    """The keys a Deployment is indexed under (its namespace, its name and, once patched, the
+    ShardedModel that patched it), each with the same copy of its manifest."""
+    entry = (name, copy.deepcopy(trim(body)))
+    keys = [DeploymentKey(namespace), DeploymentKey(namespace, name=name)]
+    owner = patching.owner_of(entry[1])
+    if owner is not None:
+        keys.append(DeploymentKey(namespace, patched_by=owner))
+    return dict.fromkeys(keys, entry)
 
 
 @kopf.index(*SHARDEDMODELS)
@@ -487,7 +514,7 @@ class Indexes:
 
     jobs: kopf.Index[Key, JobView]
     pods: kopf.Index[Key, PodView]
-    deployments: kopf.Index[str, tuple[str, dict[str, Any]]]
+    deployments: kopf.Index[DeploymentKey, DeploymentEntry]
     shard_sets: kopf.Index[str, Key]
     target_pods: kopf.Index[Key, TargetPodView]
 
@@ -511,11 +538,24 @@ class Indexes:
         }
 
     def deployments_for(self, key: Key, interest: Interest) -> dict[str, dict[str, Any]]:
-        """The Deployments a ShardedModel may target or has patched, by name."""
+        """The Deployments a ShardedModel may target or has patched, by name.
+
+        Only a label selector needs every Deployment of the namespace; names and the patch
+        annotation are looked up, so a pass does not grow with the namespace.
+        """
         namespace, name = key
+        candidates: Iterable[DeploymentEntry]
+        if interest.selectors:
+            candidates = self.deployments.get(DeploymentKey(namespace), ())
+        else:
+            lookups = [DeploymentKey(namespace, name=target) for target in interest.names]
+            lookups.append(DeploymentKey(namespace, patched_by=name))
+            candidates = itertools.chain.from_iterable(
+                self.deployments.get(lookup, ()) for lookup in lookups
+            )
         return {
             deployment: manifest
-            for deployment, manifest in self.deployments.get(namespace, ())
+            for deployment, manifest in candidates
             if interest.matches(
                 deployment,
                 (manifest.get("metadata") or {}).get("labels") or {},
