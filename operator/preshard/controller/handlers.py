@@ -199,6 +199,14 @@ class NoDiffBase(kopf.DiffBaseStorage):
     def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
         return None
 
+    def build(
+        self, *, body: kopf.Body, extra_fields: Iterable[kopf.FieldSpec] | None = None
+    ) -> kopf.BodyEssence:
+        """Nothing to compare, so nothing to extract: kopf builds the essence of every watched
+        object (pods, Jobs and Deployments too) on every event, a deep copy of the body and a
+        second one of the copy, only to diff it against the record this storage never keeps."""
+        return kopf.BodyEssence()
+
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
