@@ -7,7 +7,7 @@ here.
 
 from __future__ import annotations
 
-import logging
+import json
 from typing import Any, Final
 
 from kubernetes import client, config
@@ -23,7 +23,7 @@ Manifest = dict[str, Any]
 FIELD_MANAGER: Final = "preshard"
 MERGE_PATCH: Final = "application/merge-patch+json"
 JSON_PATCH: Final = "application/json-patch+json"
-log = logging.getLogger(__name__)
+DEPLOYMENT: Final = "/apis/apps/v1/namespaces/{namespace}/deployments/{name}"
 
 
 class ConflictError(Exception):
@@ -48,27 +48,33 @@ def load_configuration() -> client.ApiClient:
 
 
 class Kube:
-    """The controller's view of the API server."""
+    """The controller's view of the API server.
+
+    Requests go through the client's own request building, authentication and connection pool
+    (`param_serialize`, `call_api`), not its generated API classes: those validate every argument
+    and build a model of every response, and importing the four the controller would need holds
+    about 90 MiB. Bodies are sent and read as the plain dicts the controller works with.
+    """
 
     def __init__(self, api: client.ApiClient) -> None:
-        self._batch = client.BatchV1Api(api)
-        self._apps = client.AppsV1Api(api)
-        self._custom = client.CustomObjectsApi(api)
-        self._core = client.CoreV1Api(api)
+        self._api = api
 
     def create_job(self, manifest: Manifest) -> bool:
         """Create a Job; False when one of that name exists already."""
+        namespace = manifest["metadata"]["namespace"]
         try:
-            self._batch.create_namespaced_job(
-                manifest["metadata"]["namespace"],
-                client.V1Job.model_validate(manifest),
-                field_manager=FIELD_MANAGER,
+            self._call(
+                "POST",
+                "/apis/batch/v1/namespaces/{namespace}/jobs",
+                {"namespace": namespace},
+                query=[("fieldManager", FIELD_MANAGER)],
+                body=manifest,
             )
         except ApiException as error:
             if error.status == 409:
                 return False
             if error.status == 403 and "being terminated" in str(error.body or ""):
-                raise NamespaceTerminatingError(manifest["metadata"]["namespace"]) from None
+                raise NamespaceTerminatingError(namespace) from None
             raise
         return True
 
@@ -76,21 +82,22 @@ class Kube:
         self, namespace: str, pod: str, container: str, *, lines: int, limit_bytes: int
     ) -> str:
         """The last `lines` lines (at most `limit_bytes`) of a container's log."""
-        text = self._core.read_namespaced_pod_log(
-            pod,
-            namespace,
-            container=container,
-            tail_lines=lines,
-            limit_bytes=limit_bytes,
-            _request_timeout=10,
-        )
-        return str(text)
+        return self._call(
+            "GET",
+            "/api/v1/namespaces/{namespace}/pods/{name}/log",
+            {"namespace": namespace, "name": pod},
+            query=[("container", container), ("tailLines", lines), ("limitBytes", limit_bytes)],
+            timeout=10,
+        ).decode(errors="replace")
 
     def delete_job(self, namespace: str, name: str) -> None:
         """Delete a Job and its pods (in the background); a missing Job is fine."""
         try:
-            self._batch.delete_namespaced_job(
-                name, namespace, propagation_policy="Background", grace_period_seconds=0
+            self._call(
+                "DELETE",
+                "/apis/batch/v1/namespaces/{namespace}/jobs/{name}",
+                {"namespace": namespace, "name": name},
+                query=[("gracePeriodSeconds", 0), ("propagationPolicy", "Background")],
             )
         except ApiException as error:
             if error.status != 404:
@@ -99,21 +106,24 @@ class Kube:
     def get_deployment(self, namespace: str, name: str) -> Manifest:
         """The current Deployment, as a plain dict."""
         try:
-            result = self._apps.api_client.sanitize_for_serialization(
-                self._apps.read_namespaced_deployment(name, namespace)
-            )
+            data = self._call("GET", DEPLOYMENT, {"namespace": namespace, "name": name})
         except ApiException as error:
             if error.status == 404:
                 raise NotFoundError(f"Deployment {namespace}/{name}") from None
             raise
-        deployment: Manifest = result
+        deployment: Manifest = json.loads(data)
         return deployment
 
     def patch_deployment(self, namespace: str, name: str, patch: list[Manifest]) -> None:
         """Apply a JSON patch; `ConflictError` when its `test` of the generation fails."""
         try:
-            self._apps.patch_namespaced_deployment(
-                name, namespace, patch, field_manager=FIELD_MANAGER, _content_type=JSON_PATCH
+            self._call(
+                "PATCH",
+                DEPLOYMENT,
+                {"namespace": namespace, "name": name},
+                query=[("fieldManager", FIELD_MANAGER)],
+                body=patch,
+                content_type=JSON_PATCH,
             )
         except ApiException as error:
             if error.status == 409 or (
@@ -139,19 +149,51 @@ class Kube:
     def patch_status(self, namespace: str, name: str, status: Manifest) -> None:
         """Replace the ShardedModel's status (top-level fields are written whole)."""
         try:
-            self._custom.patch_namespaced_custom_object_status(
-                models.GROUP,
-                models.VERSION,
-                namespace,
-                models.PLURAL,
-                name,
-                {"status": status},
-                field_manager=FIELD_MANAGER,
-                _content_type=MERGE_PATCH,
+            self._call(
+                "PATCH",
+                f"/apis/{models.GROUP}/{models.VERSION}/namespaces/{{namespace}}/"
+                f"{models.PLURAL}/{{name}}/status",
+                {"namespace": namespace, "name": name},
+                query=[("fieldManager", FIELD_MANAGER)],
+                body={"status": status},
+                content_type=MERGE_PATCH,
             )
         except ApiException as error:
             if error.status != 404:
                 raise
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        path_params: dict[str, str],
+        *,
+        query: list[tuple[str, Any]] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        timeout: float | None = None,
+    ) -> bytes:
+        """One request; the response body. A status outside 2xx raises `ApiException` (or its
+        subclass for the status), with the response text as its body, as the generated API
+        methods do."""
+        request = self._api.param_serialize(
+            method=method,
+            resource_path=path,
+            path_params=path_params,
+            query_params=query,
+            # What the generated methods send: the API server answers JSON errors, and a log as
+            # its text, to this Accept.
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self._api.call_api(*request, _request_timeout=timeout)
+        data: bytes = response.read()  # type: ignore[no-untyped-call] # the REST layer is untyped
+        if not 200 <= response.status <= 299:
+            raise ApiException.from_response(
+                http_resp=response, body=data.decode(errors="replace"), data=None
+            )
+        return data
 
 
 def _pointer(document: Any, path: str) -> Any:
