@@ -440,7 +440,9 @@ async def reconcile(
 async def _reconcile_once(key: Key, body: kopf.Body, memo: kopf.Memo, indexes: Indexes) -> float:
     """One pass; returns when to look again. Its observation is dropped before the daemon
     sleeps, so a thousand sleeping daemons hold no copies of the indexes."""
-    snapshot = copy.deepcopy(dict(body))
+    # A copy of its own, as kopf updates the body in place while the pass runs in a thread;
+    # without managedFields, which planning never reads and which are much of what is copied.
+    snapshot = copy.deepcopy(trim(body))
     interest = _interest(snapshot)
     memo.wakeups.set_interest(key, interest)
     deployments = indexes.deployments_for(key, interest)
@@ -492,7 +494,7 @@ def cleanup(
     reconciler: Reconciler = memo.reconciler
     key = (namespace, name)
     indexes = Indexes.of(kwargs)
-    snapshot = copy.deepcopy(dict(body))
+    snapshot = copy.deepcopy(trim(body))
     try:
         events = reconciler.cleanup(
             snapshot,
