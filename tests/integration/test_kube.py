@@ -9,7 +9,7 @@ against kube-apiserver itself.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from kubernetes import client as k8s
@@ -22,7 +22,7 @@ from tests.support.specs import kwok_spec
 
 pytestmark = pytest.mark.cluster
 
-HOLD: str = "preshard.dev/test-hold"
+HOLD: Final = "preshard.dev/test-hold"
 
 
 def job(name: str, namespace: str) -> dict[str, Any]:
@@ -63,7 +63,6 @@ def test_a_job_is_created_once_and_deleted_with_its_field_manager(
 
     api.delete_job(namespace, "probe")
     api.delete_job(namespace, "probe")
-    api.delete_job(namespace, "never-made")
     with pytest.raises(ApiException) as gone:
         batch.read_namespaced_job("probe", namespace)
     assert gone.value.status == 404

@@ -440,9 +440,7 @@ async def reconcile(
 async def _reconcile_once(key: Key, body: kopf.Body, memo: kopf.Memo, indexes: Indexes) -> float:
     """One pass; returns when to look again. Its observation is dropped before the daemon
     sleeps, so a thousand sleeping daemons hold no copies of the indexes."""
-    # A copy of its own, as kopf updates the body in place while the pass runs in a thread;
-    # without managedFields, which planning never reads and which are much of what is copied.
-    snapshot = copy.deepcopy(trim(body))
+    snapshot = _snapshot(body)
     interest = _interest(snapshot)
     memo.wakeups.set_interest(key, interest)
     deployments = indexes.deployments_for(key, interest)
@@ -494,7 +492,7 @@ def cleanup(
     reconciler: Reconciler = memo.reconciler
     key = (namespace, name)
     indexes = Indexes.of(kwargs)
-    snapshot = copy.deepcopy(trim(body))
+    snapshot = _snapshot(body)
     try:
         events = reconciler.cleanup(
             snapshot,
@@ -586,6 +584,13 @@ class Indexes:
         return frozenset(
             uri for uri in uris if any(owner != key for owner in self.shard_sets.get(uri, ()))
         )
+
+
+def _snapshot(body: kopf.Body) -> dict[str, Any]:
+    """A copy of the ShardedModel of its own, as kopf updates the body in place while a pass
+    runs in a thread; without managedFields, which planning never reads and which are much of
+    what would be copied."""
+    return copy.deepcopy(trim(body))
 
 
 def _set_uris(body: dict[str, Any]) -> list[str]:

@@ -23,7 +23,15 @@ Manifest = dict[str, Any]
 FIELD_MANAGER: Final = "preshard"
 MERGE_PATCH: Final = "application/merge-patch+json"
 JSON_PATCH: Final = "application/json-patch+json"
+# The paths the controller calls; `param_serialize` fills in and quotes the names.
+JOBS: Final = "/apis/batch/v1/namespaces/{namespace}/jobs"
+JOB: Final = JOBS + "/{name}"
+POD_LOG: Final = "/api/v1/namespaces/{namespace}/pods/{name}/log"
 DEPLOYMENT: Final = "/apis/apps/v1/namespaces/{namespace}/deployments/{name}"
+SHARDEDMODEL_STATUS: Final = (
+    f"/apis/{models.GROUP}/{models.VERSION}/namespaces/{{namespace}}"
+    f"/{models.PLURAL}/{{name}}/status"
+)
 
 
 class ConflictError(Exception):
@@ -65,7 +73,7 @@ class Kube:
         try:
             self._call(
                 "POST",
-                "/apis/batch/v1/namespaces/{namespace}/jobs",
+                JOBS,
                 {"namespace": namespace},
                 query=[("fieldManager", FIELD_MANAGER)],
                 body=manifest,
@@ -84,7 +92,7 @@ class Kube:
         """The last `lines` lines (at most `limit_bytes`) of a container's log."""
         return self._call(
             "GET",
-            "/api/v1/namespaces/{namespace}/pods/{name}/log",
+            POD_LOG,
             {"namespace": namespace, "name": pod},
             query=[("container", container), ("tailLines", lines), ("limitBytes", limit_bytes)],
             timeout=10,
@@ -95,7 +103,7 @@ class Kube:
         try:
             self._call(
                 "DELETE",
-                "/apis/batch/v1/namespaces/{namespace}/jobs/{name}",
+                JOB,
                 {"namespace": namespace, "name": name},
                 query=[("gracePeriodSeconds", 0), ("propagationPolicy", "Background")],
             )
@@ -151,8 +159,7 @@ class Kube:
         try:
             self._call(
                 "PATCH",
-                f"/apis/{models.GROUP}/{models.VERSION}/namespaces/{{namespace}}/"
-                f"{models.PLURAL}/{{name}}/status",
+                SHARDEDMODEL_STATUS,
                 {"namespace": namespace, "name": name},
                 query=[("fieldManager", FIELD_MANAGER)],
                 body={"status": status},
