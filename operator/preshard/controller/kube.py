@@ -23,6 +23,7 @@ Manifest = dict[str, Any]
 FIELD_MANAGER: Final = "preshard"
 MERGE_PATCH: Final = "application/merge-patch+json"
 JSON_PATCH: Final = "application/json-patch+json"
+_WRITES: Final = frozenset({"POST", "PUT", "PATCH"})
 # The paths the controller calls; `param_serialize` fills in and quotes the names.
 JOBS: Final = "/apis/batch/v1/namespaces/{namespace}/jobs"
 JOB: Final = JOBS + "/{name}"
@@ -75,7 +76,6 @@ class Kube:
                 "POST",
                 JOBS,
                 {"namespace": namespace},
-                query=[("fieldManager", FIELD_MANAGER)],
                 body=manifest,
             )
         except ApiException as error:
@@ -129,7 +129,6 @@ class Kube:
                 "PATCH",
                 DEPLOYMENT,
                 {"namespace": namespace, "name": name},
-                query=[("fieldManager", FIELD_MANAGER)],
                 body=patch,
                 content_type=JSON_PATCH,
             )
@@ -161,7 +160,6 @@ class Kube:
                 "PATCH",
                 SHARDEDMODEL_STATUS,
                 {"namespace": namespace, "name": name},
-                query=[("fieldManager", FIELD_MANAGER)],
                 body={"status": status},
                 content_type=MERGE_PATCH,
             )
@@ -180,9 +178,11 @@ class Kube:
         content_type: str = "application/json",
         timeout: float | None = None,
     ) -> bytes:
-        """One request; the response body. A status outside 2xx raises `ApiException` (or its
-        subclass for the status), with the response text as its body, as the generated API
-        methods do."""
+        """One request; the response body. Every write names preshard as its field manager. A
+        status outside 2xx raises `ApiException` (or its subclass for the status), with the
+        response text as its body, as the generated API methods do."""
+        if method in _WRITES:
+            query = [*(query or ()), ("fieldManager", FIELD_MANAGER)]
         request = self._api.param_serialize(
             method=method,
             resource_path=path,
