@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Final, cast
+from types import FrameType
+from typing import Any, Final, NoReturn, cast
 
 import yaml
 from kubernetes import client as k8s
@@ -50,32 +52,49 @@ def run(state_dir: Path, *, log: Callable[[str], None]) -> int:
         demo.install_crd(api)
         _credentials_secret(api, credentials)
     example = _write_example(state_dir, state, model_uri, port)
-    runner = PodRunner(
-        kubeconfig,
-        state_dir / "pods",
-        extra_env={**engine.tools_env(), "HF_ENDPOINT": f"http://127.0.0.1:{procs.free_port()}"},
-        images={
-            image_repository(SERIALIZER_IMAGE): engine.serializer_image(),
-            engine.VLLM_REPOSITORY: engine.vllm_image(),
-        },
-    ).start()
-    operator = procs.start(
-        "operator",
-        [str(Path(sys.executable).with_name("preshard")), "run", "--liveness", ""],
-        state_dir / "logs",
-        env={**os.environ, "KUBECONFIG": str(kubeconfig)},
-    )
-    _print_walkthrough(state, example, operator.log_path, port)
-    done = threading.Event()
-    try:
-        _serve(kubeconfig, port, operator, done)
-    except KeyboardInterrupt:
-        log("stopping the operator and the pods it runs")
-    finally:
-        operator.stop()
-        runner.stop()
+    _interrupt_on_signals()
+    with ExitStack() as running:
+        runner = PodRunner(
+            kubeconfig,
+            state_dir / "pods",
+            extra_env={
+                **engine.tools_env(),
+                "HF_ENDPOINT": f"http://127.0.0.1:{procs.free_port()}",
+            },
+            images={
+                image_repository(SERIALIZER_IMAGE): engine.serializer_image(),
+                engine.VLLM_REPOSITORY: engine.vllm_image(),
+            },
+        ).start()
+        running.callback(runner.stop)
+        operator = procs.start(
+            "operator",
+            [str(Path(sys.executable).with_name("preshard")), "run", "--liveness", ""],
+            state_dir / "logs",
+            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+        )
+        running.callback(operator.stop)
+        _print_walkthrough(state, example, operator.log_path, port)
+        try:
+            _serve(kubeconfig, port, operator)
+        except KeyboardInterrupt:
+            log("stopping the operator and the pods it runs")
     print("The cluster and S3 server keep running: `make dev-cluster-down` stops them.")
     return 0
+
+
+def _interrupt_on_signals() -> None:
+    """Stop on SIGTERM (`kill`, `timeout`) and SIGHUP (a closed terminal) as on Ctrl-C: through
+    the `KeyboardInterrupt` that stops the operator and the pods' processes, which would
+    otherwise outlive this process. Ctrl-C is restored too: a shell starts a background job
+    with SIGINT ignored."""
+
+    def interrupt(_signum: int, _frame: FrameType | None) -> NoReturn:
+        raise KeyboardInterrupt
+
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _print_walkthrough(state: background.State, example: Path, log: Path, port: int) -> None:
@@ -99,13 +118,14 @@ def _print_walkthrough(state: background.State, example: Path, log: Path, port: 
     print("\n".join(lines), flush=True)
 
 
-def _serve(kubeconfig: Path, port: int, operator: procs.Process, done: threading.Event) -> None:
+def _serve(kubeconfig: Path, port: int, operator: procs.Process) -> None:
     """Wait for the ShardedModel to be Ready and its vLLM to answer; print one completion."""
     url = f"http://127.0.0.1:{port}"
+    answered = False
     with api_client(kubeconfig) as api:
         objects = k8s.CustomObjectsApi(api)
         while operator.alive():
-            if not done.is_set() and _ready(objects) and procs.http_ok(f"{url}/health"):
+            if not answered and _ready(objects) and procs.http_ok(f"{url}/health"):
                 answer = engine.complete(url, SERVED_MODEL, PROMPT)
                 print(
                     f"\nShardedModel {NAME} is Ready, and the patched vLLM, loading the shards "
@@ -113,7 +133,7 @@ def _serve(kubeconfig: Path, port: int, operator: procs.Process, done: threading
                     f"  {answer.text!r}  (token ids {list(answer.token_ids)})\n",
                     flush=True,
                 )
-                done.set()
+                answered = True
             time.sleep(_POLL_SECONDS)
     print(f"the operator exited; the end of its log:\n{operator.log_tail()}", file=sys.stderr)
 
