@@ -52,7 +52,7 @@ def run(state_dir: Path, *, log: Callable[[str], None]) -> int:
         demo.install_crd(api)
         _credentials_secret(api, credentials)
     example = _write_example(state_dir, state, model_uri, port)
-    _interrupt_on_signals()
+    interrupt_on_signals()
     with ExitStack() as running:
         runner = PodRunner(
             kubeconfig,
@@ -83,7 +83,7 @@ def run(state_dir: Path, *, log: Callable[[str], None]) -> int:
     return 0
 
 
-def _interrupt_on_signals() -> None:
+def interrupt_on_signals() -> None:
     """Stop on SIGTERM (`kill`, `timeout`) and SIGHUP (a closed terminal) as on Ctrl-C: through
     the `KeyboardInterrupt` that stops the operator and the pods' processes, which would
     otherwise outlive this process. Ctrl-C is restored too: a shell starts a background job

@@ -131,3 +131,28 @@ def test_tool_path_prints_the_cached_binary(tmp_path: Path) -> None:
     result = _devenv("tool-path", "kubectl", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert Path(result.stdout.strip()) == binaries.tool_path("kubectl")
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_make_run_stops_as_on_ctrl_c_on_kill_a_closed_terminal_and_in_the_background(
+    name: str,
+) -> None:
+    # `make run` cleans up on the KeyboardInterrupt these signals raise
+    # (tests/e2e/test_make_run.py); SIGINT starts ignored, as in a shell's background job.
+    code = "\n".join(
+        (
+            "import os, signal",
+            "from preshard_devenv import realrun",
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)",
+            "realrun.interrupt_on_signals()",
+            "try:",
+            f"    os.kill(os.getpid(), signal.{name})",
+            "    signal.pause()",
+            "except KeyboardInterrupt:",
+            "    print('interrupted')",
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (result.returncode, result.stdout) == (0, "interrupted\n"), result.stderr
