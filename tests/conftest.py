@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import re
 import secrets
-import signal
 from collections.abc import Generator, Iterator
 from pathlib import Path
-from types import FrameType
 
 import pytest
 from kubernetes import client as k8s
 
-from preshard_devenv import binaries, engine
+from preshard_devenv import binaries, engine, procs
 from preshard_devenv.controlplane import LocalCluster
 from preshard_devenv.operatorprocess import OperatorProcess
 from preshard_devenv.podrunner import PodRunner
@@ -31,13 +29,9 @@ _REPORTED_LINES = 200
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Turn SIGTERM (a cancelled CI job, `timeout`) into an interrupt, so fixtures tear down
-    and stop their processes instead of leaving them running."""
-
-    def interrupt(signum: int, _: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"received signal {signum}")
-
-    signal.signal(signal.SIGTERM, interrupt)
+    """Stop on SIGTERM (a cancelled CI job, `timeout`) and SIGHUP as on Ctrl-C, so fixtures
+    tear down and stop their processes instead of leaving them running."""
+    procs.interrupt_on_signals()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -15,13 +15,28 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from types import FrameType
+from typing import NoReturn, TypeVar
 
 T = TypeVar("T")
 
 
 class DevEnvError(RuntimeError):
     """A step of the local environment failed; the message says which and how to fix it."""
+
+
+def interrupt_on_signals() -> None:
+    """Stop on SIGTERM (`kill`, `timeout`, a cancelled CI job) and SIGHUP (a closed terminal)
+    as on Ctrl-C: through a `KeyboardInterrupt`, so that what this process started is stopped
+    by its `finally` and exit callbacks instead of outliving it. Ctrl-C is restored too: a
+    shell starts a background job with SIGINT ignored."""
+
+    def interrupt(signum: int, _frame: FrameType | None) -> NoReturn:
+        raise KeyboardInterrupt(f"received signal {signum}")
+
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def free_port() -> int:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from types import FrameType
-from typing import Any, Final, NoReturn, cast
+from typing import Any, Final, cast
 
 import yaml
 from kubernetes import client as k8s
@@ -52,7 +50,7 @@ def run(state_dir: Path, *, log: Callable[[str], None]) -> int:
         demo.install_crd(api)
         _credentials_secret(api, credentials)
     example = _write_example(state_dir, state, model_uri, port)
-    interrupt_on_signals()
+    procs.interrupt_on_signals()
     with ExitStack() as running:
         runner = PodRunner(
             kubeconfig,
@@ -81,20 +79,6 @@ def run(state_dir: Path, *, log: Callable[[str], None]) -> int:
             log("stopping the operator and the pods it runs")
     print("The cluster and S3 server keep running: `make dev-cluster-down` stops them.")
     return 0
-
-
-def interrupt_on_signals() -> None:
-    """Stop on SIGTERM (`kill`, `timeout`) and SIGHUP (a closed terminal) as on Ctrl-C: through
-    the `KeyboardInterrupt` that stops the operator and the pods' processes, which would
-    otherwise outlive this process. Ctrl-C is restored too: a shell starts a background job
-    with SIGINT ignored."""
-
-    def interrupt(_signum: int, _frame: FrameType | None) -> NoReturn:
-        raise KeyboardInterrupt
-
-    for number in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(number, interrupt)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _print_walkthrough(state: background.State, example: Path, log: Path, port: int) -> None:

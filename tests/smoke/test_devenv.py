@@ -137,14 +137,14 @@ def test_tool_path_prints_the_cached_binary(tmp_path: Path) -> None:
 def test_make_run_stops_as_on_ctrl_c_on_kill_a_closed_terminal_and_in_the_background(
     name: str,
 ) -> None:
-    # `make run` cleans up on the KeyboardInterrupt these signals raise
+    # `make run` and the test session clean up on the KeyboardInterrupt these signals raise
     # (tests/e2e/test_make_run.py); SIGINT starts ignored, as in a shell's background job.
     code = "\n".join(
         (
             "import os, signal",
-            "from preshard_devenv import realrun",
+            "from preshard_devenv import procs",
             "signal.signal(signal.SIGINT, signal.SIG_IGN)",
-            "realrun.interrupt_on_signals()",
+            "procs.interrupt_on_signals()",
             "try:",
             f"    os.kill(os.getpid(), signal.{name})",
             "    signal.pause()",
