@@ -42,6 +42,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import re
 import shutil
 import statistics
@@ -590,16 +591,21 @@ class Checkpoint:
     @classmethod
     def take(cls, cluster: LocalCluster, pid: int) -> Checkpoint:
         """Read every counter now."""
-        cpu: dict[str, float] = {}
-        for name, process in cluster.processes.items():
-            with contextlib.suppress(OSError):
-                cpu[name] = common.process_usage(process.pid).cpu_seconds
         return cls(
             at=time.time(),
             usage=common.process_usage(pid),
-            cpu=cpu,
+            cpu=cluster_cpu(cluster),
             metrics=scrape_metrics(cluster),
         )
+
+
+def cluster_cpu(cluster: LocalCluster) -> dict[str, float]:
+    """The CPU seconds each of the cluster's processes has used so far."""
+    cpu: dict[str, float] = {}
+    for name, process in cluster.processes.items():
+        with contextlib.suppress(OSError):
+            cpu[name] = common.process_usage(process.pid).cpu_seconds
+    return cpu
 
 
 @dataclass
@@ -745,6 +751,7 @@ def run_baseline(cluster: LocalCluster, size: int, options: Options, say: Log) -
     manifests = [plain_verify_job(i, BASELINE_NAMESPACE, settings) for i in range(size)]
     watcher = Watcher(cluster, BASELINE_NAMESPACE, models_too=False).start()
     try:
+        cpu_before = cluster_cpu(cluster)
         start = time.time()
         create_s = in_parallel(
             cluster,
@@ -761,6 +768,8 @@ def run_baseline(cluster: LocalCluster, size: int, options: Options, say: Log) -
                 interval=POLL_SECONDS,
                 what="every baseline Job to complete",
             )
+        cpu = _cpu_delta(cluster_cpu(cluster), cpu_before)
+        seconds = time.time() - start
     finally:
         watcher.stop()
     seen = watcher.snapshot()
@@ -773,6 +782,9 @@ def run_baseline(cluster: LocalCluster, size: int, options: Options, say: Log) -
         "jobs_complete_s": seconds_after(start, seen.job_done.values()),
         "all_complete_s": _round(all_complete),
         "jobs_failed": len(seen.job_failed),
+        # Whether the floor is the machine's CPU: what the cluster used of what the cores gave.
+        "cluster_cpu_s": cpu,
+        "cpu_available_s": round(seconds * (os.cpu_count() or 1), 1),
     }
 
 
@@ -861,6 +873,7 @@ def summarize(
         "cluster_cpu_s": {
             "converge": _cpu_delta(run.after_converge.cpu, run.before.cpu),
             "idle": _cpu_delta(run.after_idle.cpu, run.after_converge.cpu),
+            "converge_available": round((idle_start - start) * (os.cpu_count() or 1), 1),
         },
         "requests": {
             "operator_per_shardedmodel": table_of(converge_counts, size),

@@ -56,6 +56,10 @@ def test_a_smoke_run_measures_every_figure(tmp_path: Path) -> None:
     assert (result["jobs"], result["jobs_failed"]) == (3, 0)
     assert result["all_ready_s"] > 0
     assert result["baseline"]["all_complete_s"] > 0
+    # The cluster's CPU beside what the cores gave: whether the machine set the pace.
+    assert result["baseline"]["cluster_cpu_s"]["kube-apiserver"] > 0
+    assert result["baseline"]["cpu_available_s"] > 0
+    assert result["cluster_cpu_s"]["converge_available"] > 0
     assert result["ready_over_baseline"] > 0
     assert result["operator"]["peak_rss_mib"] > 0
     requests = result["requests"]
