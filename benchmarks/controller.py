@@ -69,6 +69,7 @@ from preshard.api import models
 from preshard.builders import jobs
 from preshard.builders.identity import artifact_key
 from preshard.builders.shardset import Owner, ShardSet
+from preshard.controller.metrics import RECONCILE_PASSES
 from preshard.settings import Settings
 from preshard_devenv import nodes, procs, workloads
 from preshard_devenv.controlplane import LocalCluster
@@ -587,16 +588,31 @@ class Checkpoint:
     usage: common.ProcessUsage
     cpu: dict[str, float]
     metrics: MetricsSnapshot
+    passes: float
+    """The operator's reconcile passes so far, from its own metrics."""
 
     @classmethod
-    def take(cls, cluster: LocalCluster, pid: int) -> Checkpoint:
+    def take(cls, cluster: LocalCluster, pid: int, metrics_port: int) -> Checkpoint:
         """Read every counter now."""
         return cls(
             at=time.time(),
             usage=common.process_usage(pid),
             cpu=cluster_cpu(cluster),
             metrics=scrape_metrics(cluster),
+            passes=reconcile_passes(metrics_port),
         )
+
+
+def reconcile_passes(metrics_port: int) -> float:
+    """The operator's reconcile passes so far, read from the metrics it serves."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith(f"{RECONCILE_PASSES}_total ")
+    )
 
 
 def cluster_cpu(cluster: LocalCluster) -> dict[str, float]:
@@ -650,8 +666,11 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
         )
         say(f"N={size}: {size} Deployments in {deployments_s:.1f}s, {len(extra_nodes)} more nodes")
         audit = AuditLog(work / "audit" / "audit.log")
+        metrics_port = procs.free_port()
         operator = OperatorProcess(
-            cluster.user_kubeconfig(OPERATOR_USER, ["system:masters"]), work / "operator"
+            cluster.user_kubeconfig(OPERATOR_USER, ["system:masters"]),
+            work / "operator",
+            env={"PRESHARD_METRICS_PORT": str(metrics_port)},
         )
         stopwatch.restart()
         operator.start()
@@ -669,7 +688,7 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
             startup_s = stopwatch.elapsed
             say(f"N={size}: operator listening and quiet after {startup_s:.1f}s")
             assert operator.process is not None
-            run = drive(cluster, operator.process.pid, audit, size, options, say)
+            run = drive(cluster, operator.process.pid, metrics_port, audit, size, options, say)
         finally:
             operator.stop()
         # Watch requests are logged when they end: some only ended with the operator.
@@ -692,12 +711,18 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
 
 
 def drive(
-    cluster: LocalCluster, pid: int, audit: AuditLog, size: int, options: Options, say: Log
+    cluster: LocalCluster,
+    pid: int,
+    metrics_port: int,
+    audit: AuditLog,
+    size: int,
+    options: Options,
+    say: Log,
 ) -> Run:
     """Apply N ShardedModels, wait for Ready and for the operator to settle, then stay idle."""
     watcher = Watcher(cluster, NAMESPACE, models_too=True).start()
     try:
-        before = Checkpoint.take(cluster, pid)
+        before = Checkpoint.take(cluster, pid, metrics_port)
         apply_s = in_parallel(
             cluster,
             size,
@@ -725,11 +750,11 @@ def drive(
             writes_only=True,
             since=before.at,
         )
-        after_converge = Checkpoint.take(cluster, pid)
+        after_converge = Checkpoint.take(cluster, pid, metrics_port)
         changes_before_idle = watcher.count(lambda seen: len(seen.changes))
         say(f"N={size}: settled; idle for {options.idle_seconds:.0f}s")
         time.sleep(options.idle_seconds)
-        after_idle = Checkpoint.take(cluster, pid)
+        after_idle = Checkpoint.take(cluster, pid, metrics_port)
     finally:
         watcher.stop()
     return Run(
@@ -869,6 +894,9 @@ def summarize(
                 ),
             },
             "log": log_levels(operator_log),
+            "reconcile_passes_per_shardedmodel": round(
+                (run.after_converge.passes - run.before.passes) / size, 2
+            ),
         },
         "cluster_cpu_s": {
             "converge": _cpu_delta(run.after_converge.cpu, run.before.cpu),
@@ -965,6 +993,7 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
             "Ready/baseline",
             "peak RSS MiB",
             "CPU s",
+            "passes/SHM",
             "req/SHM",
             "writes/SHM",
             "idle req",
@@ -982,6 +1011,7 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
                 r["ready_over_baseline"],
                 r["operator"]["peak_rss_mib"],
                 r["operator"]["cpu_s"]["converge"],
+                r["operator"]["reconcile_passes_per_shardedmodel"],
                 round(r["requests"]["operator_total"] / r["size"], 2),
                 r["requests"]["operator_writes_per_shardedmodel"],
                 r["idle"]["operator_total"],
