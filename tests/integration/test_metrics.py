@@ -272,7 +272,8 @@ def settled(api: k8s.ApiClient, operator: OperatorProcess) -> Scrape:
     passes) and the operator ran no pass for a few seconds."""
     wait_for(
         lambda: all(
-            item.status.phase != "Terminating" for item in k8s.CoreV1Api(api).list_namespace().items
+            item.status is None or item.status.phase != "Terminating"
+            for item in k8s.CoreV1Api(api).list_namespace().items
         ),
         timeout=120,
         what="the earlier tests' namespaces to go",
