@@ -69,7 +69,7 @@ from preshard.api import models
 from preshard.builders import jobs
 from preshard.builders.identity import artifact_key
 from preshard.builders.shardset import Owner, ShardSet
-from preshard.controller.metrics import RECONCILE_PASSES, RECONCILE_SKIPPED
+from preshard.controller.metrics import RECONCILE_PASSES
 from preshard.settings import Settings
 from preshard_devenv import nodes, procs, workloads
 from preshard_devenv.controlplane import LocalCluster
@@ -588,7 +588,7 @@ class Checkpoint:
     usage: common.ProcessUsage
     cpu: dict[str, float]
     metrics: MetricsSnapshot
-    passes: Passes
+    passes: float
     """The operator's reconcile passes so far, from its own metrics."""
 
     @classmethod
@@ -599,31 +599,20 @@ class Checkpoint:
             usage=common.process_usage(pid),
             cpu=cluster_cpu(cluster),
             metrics=scrape_metrics(cluster),
-            passes=Passes.scrape(metrics_port),
+            passes=reconcile_passes(metrics_port),
         )
 
 
-@dataclass(frozen=True)
-class Passes:
-    """The operator's reconcile passes so far, and the wakes that ran none."""
-
-    run: float
-    skipped: float
-
-    @classmethod
-    def scrape(cls, metrics_port: int) -> Passes:
-        """Read both counters from the metrics the operator serves."""
-        url = f"http://127.0.0.1:{metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            samples = dict(
-                line.rsplit(" ", 1)
-                for line in response.read().decode().splitlines()
-                if line and not line.startswith("#")
-            )
-        return cls(
-            run=float(samples.get(f"{RECONCILE_PASSES}_total", 0)),
-            skipped=float(samples.get(f"{RECONCILE_SKIPPED}_total", 0)),
-        )
+def reconcile_passes(metrics_port: int) -> float:
+    """The operator's reconcile passes so far, read from the metrics it serves."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith(f"{RECONCILE_PASSES}_total ")
+    )
 
 
 def cluster_cpu(cluster: LocalCluster) -> dict[str, float]:
@@ -906,10 +895,7 @@ def summarize(
             },
             "log": log_levels(operator_log),
             "reconcile_passes_per_shardedmodel": round(
-                (run.after_converge.passes.run - run.before.passes.run) / size, 2
-            ),
-            "reconcile_skipped_per_shardedmodel": round(
-                (run.after_converge.passes.skipped - run.before.passes.skipped) / size, 2
+                (run.after_converge.passes - run.before.passes) / size, 2
             ),
         },
         "cluster_cpu_s": {
@@ -1008,7 +994,6 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
             "peak RSS MiB",
             "CPU s",
             "passes/SHM",
-            "skipped/SHM",
             "req/SHM",
             "writes/SHM",
             "idle req",
@@ -1027,7 +1012,6 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
                 r["operator"]["peak_rss_mib"],
                 r["operator"]["cpu_s"]["converge"],
                 r["operator"]["reconcile_passes_per_shardedmodel"],
-                r["operator"]["reconcile_skipped_per_shardedmodel"],
                 round(r["requests"]["operator_total"] / r["size"], 2),
                 r["requests"]["operator_writes_per_shardedmodel"],
                 r["idle"]["operator_total"],

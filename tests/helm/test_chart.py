@@ -530,7 +530,6 @@ def test_the_dashboard_shows_only_and_every_metric_the_operator_exports() -> Non
     assert used <= exported, f"not exported by the operator: {sorted(used - exported)}"
     families = {
         metrics.RECONCILE_PASSES,
-        metrics.RECONCILE_SKIPPED,
         metrics.RECONCILE_DURATION,
         metrics.RECONCILE_ERRORS,
         metrics.SHARD_SETS,

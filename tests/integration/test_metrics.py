@@ -8,7 +8,6 @@ on `kwok-manual-0` end with the outcome the test writes, as the data plane would
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -38,8 +37,6 @@ STORAGE_URI = "s3://metrics-bucket-5e1d/shards"
 ENDPOINT = "http://objects.metrics-test.svc:8333"
 
 Sample = tuple[str, frozenset[tuple[str, str]]]
-# No pass for this long: the operator has taken in every event and finished its passes.
-QUIET_SECONDS = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -265,56 +262,3 @@ def test_each_jobs_result_and_figures_count_once_and_a_deleted_model_leaves_the_
     wait_for(lambda: shm.gone(kube_api, namespace, "qwen"), what="deletion")
     gone = Scrape(running_operator)
     assert gone.series("preshard_shard_sets", namespace=namespace, shardedmodel="qwen") == {}
-
-
-def settled(api: k8s.ApiClient, operator: OperatorProcess) -> Scrape:
-    """A scrape once the earlier tests' namespaces are gone (deleting their ShardedModels runs
-    passes) and the operator ran no pass for a few seconds."""
-    wait_for(
-        lambda: all(
-            item.status is None or item.status.phase != "Terminating"
-            for item in k8s.CoreV1Api(api).list_namespace().items
-        ),
-        timeout=120,
-        what="the earlier tests' namespaces to go",
-    )
-    last = Scrape(operator)
-
-    def quiet() -> Scrape | None:
-        nonlocal last
-        time.sleep(QUIET_SECONDS)
-        now = Scrape(operator)
-        passes = "preshard_reconcile_passes_total"
-        if now.value(passes) == last.value(passes):
-            return now
-        last = now
-        return None
-
-    return wait_for(quiet, timeout=60, what="the operator's passes to stop")
-
-
-def test_an_event_that_changes_nothing_planned_from_runs_no_pass(
-    kube_api: k8s.ApiClient, namespace: str, running_operator: OperatorProcess
-) -> None:
-    create_secret(kube_api, namespace)
-    workloads.create_deployment(kube_api, namespace, "vllm")
-    # A model of its own: a shard set that another test's ShardedModel also lists is an input.
-    model = {"id": "org/mistral", "revision": "abc123"}
-    workloads.create_sharded_model(kube_api, namespace, "mistral", spec(model=model))
-    shm.wait_ready(kube_api, namespace, "mistral", operator=running_operator)
-    before = settled(kube_api, running_operator)
-
-    # Each is a watch event that wakes the reconciler and changes nothing it plans from.
-    (job,) = shm.jobs(kube_api, namespace)
-    k8s.BatchV1Api(kube_api).patch_namespaced_job(
-        job["metadata"]["name"], namespace, {"metadata": {"labels": {"team": "serving"}}}
-    )
-    after_job = wait_moved(running_operator, before, "preshard_reconcile_skipped_total", 1)
-    shm.patch(kube_api, namespace, "mistral", {"metadata": {"labels": {"team": "serving"}}})
-    after_label = wait_moved(running_operator, after_job, "preshard_reconcile_skipped_total", 1)
-    passes = "preshard_reconcile_passes_total"
-    assert after_label.value(passes) == before.value(passes)
-
-    # An annotation is planned from (a retry request is one): a pass runs.
-    shm.patch(kube_api, namespace, "mistral", {"metadata": {"annotations": {"poke": "1"}}})
-    wait_moved(running_operator, after_label, passes, 1)

@@ -216,7 +216,6 @@ def test_the_sample_names_are_those_a_scrape_returns() -> None:
     assert {
         "preshard_build_info",
         "preshard_reconcile_passes_total",
-        "preshard_reconcile_skipped_total",
         "preshard_reconcile_duration_seconds_bucket",
         "preshard_shard_sets",
         "preshard_jobs_started_total",

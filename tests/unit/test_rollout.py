@@ -10,13 +10,7 @@ import kopf
 import pytest
 
 from preshard.builders.patching import INIT_CONTAINER
-from preshard.builders.rollout import (
-    Rollout,
-    container_digest,
-    rollout_of,
-    rollout_status,
-    template_digests,
-)
+from preshard.builders.rollout import Rollout, container_digest, rollout_of, template_digests
 from preshard.controller import handlers
 from preshard.controller.handlers import Wakeups
 from preshard.controller.observe import ContainerProblem, quote, target_pod_view
@@ -98,28 +92,6 @@ def deadline(status: str = "False", reason: str = "ProgressDeadlineExceeded") ->
 )
 def test_the_rollout_of_the_current_template(item: dict[str, Any], expected: Rollout) -> None:
     assert rollout_of(item) == expected
-    # The Deployment index keeps only this much of the status: the rollout reads the same.
-    assert rollout_of({**item, "status": rollout_status(item["status"])}) == expected
-
-
-def test_the_status_kept_leaves_out_times_and_other_conditions() -> None:
-    status = {
-        "observedGeneration": 3,
-        "replicas": 1,
-        "readyReplicas": 1,
-        "conditions": [
-            {
-                **deadline("True", "NewReplicaSetAvailable"),
-                "lastUpdateTime": "2026-01-01T00:00:00Z",
-            },
-            {"type": "Available", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"},
-        ],
-    }
-    assert rollout_status(status) == {
-        "observedGeneration": 3,
-        "replicas": 1,
-        "conditions": [deadline("True", "NewReplicaSetAvailable")],
-    }
 
 
 def test_a_paused_deployment_says_so() -> None:

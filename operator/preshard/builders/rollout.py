@@ -25,8 +25,6 @@ from preshard.builders import Manifest
 from preshard.builders.patching import INIT_CONTAINER
 
 DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
-# What `rollout_of` reads of a Deployment's status, besides the Progressing condition.
-_ROLLOUT_COUNTS: Final = ("observedGeneration", "replicas", "updatedReplicas", "availableReplicas")
 
 Phase = Literal["Progressing", "Complete", "ScaledToZero", "DeadlineExceeded"]
 
@@ -81,23 +79,6 @@ def rollout_of(deployment: Manifest) -> Rollout:
     if spec.get("paused"):
         return Rollout("Progressing", "the Deployment is paused")
     return Rollout("Progressing", message)
-
-
-def rollout_status(status: Manifest) -> Manifest:
-    """What `rollout_of` reads of a Deployment's status: the counts and the Progressing
-    condition, without its times. The Deployment controller updates a status several times
-    per rollout; an update that changes only the rest (times, the Available condition, ready
-    replicas) changes nothing a rollout is judged by."""
-    kept: Manifest = {field: status[field] for field in _ROLLOUT_COUNTS if field in status}
-    kept["conditions"] = [
-        {key: value for key, value in condition.items() if key in _CONDITION_FIELDS}
-        for condition in status.get("conditions") or []
-        if condition.get("type") == "Progressing"
-    ]
-    return kept
-
-
-_CONDITION_FIELDS: Final = frozenset({"type", "status", "reason", "message"})
 
 
 def container_digest(container: Manifest) -> str:

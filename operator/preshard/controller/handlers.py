@@ -14,18 +14,17 @@ import contextlib
 import copy
 import itertools
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any, Final
 
 import aiohttp
 import kopf
 
 from preshard.api import models
-from preshard.builders import jobs, patching, rollout
+from preshard.builders import jobs, patching
 from preshard.builders.shardset import LABEL_MANAGED_BY, LABEL_SHARDEDMODEL, MANAGED_BY
 from preshard.contract import reasons
 from preshard.controller import kube, metrics, progress
@@ -37,7 +36,7 @@ from preshard.controller.observe import (
     pod_view,
     target_pod_view,
 )
-from preshard.controller.plan import Event, Observed
+from preshard.controller.plan import Event
 from preshard.controller.reconciler import (
     CleanupPendingError,
     Reconciler,
@@ -62,17 +61,6 @@ SHARDEDMODELS: Final = (models.GROUP, models.VERSION, models.PLURAL)
 WATCHED: Final = (JOBS, PODS, DEPLOYMENTS, SHARDEDMODELS)
 # Requests kopf may have in flight at once besides its watch streams.
 API_REQUESTS: Final = 32
-# What planning reads of a ShardedModel's metadata (names, owner references, metrics).
-_PLANNED_METADATA: Final = (
-    "name",
-    "namespace",
-    "uid",
-    "generation",
-    "annotations",
-    "creationTimestamp",
-    "deletionTimestamp",
-)
-_NO_TIME: Final = datetime.min.replace(tzinfo=UTC)
 
 Key = tuple[str, str]
 
@@ -354,13 +342,8 @@ def deployment_entries(
     namespace: str, name: str, body: Mapping[str, Any]
 ) -> dict[DeploymentKey, DeploymentEntry]:
     """The keys a Deployment is indexed under (its namespace, its name and, once patched, the
-    ShardedModel that patched it), each with the same copy of what planning reads of it: the
-    manifest without managedFields and resourceVersion, and of its status only what tells a
-    rollout (`rollout.rollout_status`)."""
-    manifest = copy.deepcopy(trim(body))
-    manifest["metadata"].pop("resourceVersion", None)
-    manifest["status"] = rollout.rollout_status(manifest.get("status") or {})
-    entry = (name, manifest)
+    ShardedModel that patched it), each with the same copy of its manifest."""
+    entry = (name, copy.deepcopy(trim(body)))
     keys = [DeploymentKey(namespace), DeploymentKey(namespace, name=name)]
     owner = patching.owner_of(entry[1])
     if owner is not None:
@@ -439,15 +422,13 @@ async def reconcile(
     key = (namespace, name)
     wakeup = memo.wakeups.register(key)
     indexes = Indexes.of(kwargs)
-    memory = PassMemory()
     try:
         while not stopped:
             wakeup.clear()
             try:
-                delay = await _reconcile_once(key, body, memo, indexes, memory)
+                delay = await _reconcile_once(key, body, memo, indexes)
             except Exception:
                 logger.exception("reconcile failed; retrying")
-                memory.forget()
                 delay = 10.0
             # Stopping (deletion, operator exit) cancels this wait: kopf cancels async daemons.
             with contextlib.suppress(TimeoutError):
@@ -456,13 +437,11 @@ async def reconcile(
         memo.wakeups.unregister(key, wakeup)
 
 
-async def _reconcile_once(
-    key: Key, body: kopf.Body, memo: kopf.Memo, indexes: Indexes, memory: PassMemory
-) -> float:
-    """One pass, unless it would start from what the last pass settled on; returns when to
-    look again. Only a settled pass's input is kept while the daemon sleeps."""
+async def _reconcile_once(key: Key, body: kopf.Body, memo: kopf.Memo, indexes: Indexes) -> float:
+    """One pass; returns when to look again. Its observation is dropped before the daemon
+    sleeps, so a thousand sleeping daemons hold no copies of the indexes."""
     snapshot = _snapshot(body)
-    interest = memory.interest(snapshot)
+    interest = _interest(snapshot)
     memo.wakeups.set_interest(key, interest)
     deployments = indexes.deployments_for(key, interest)
     job_views = indexes.jobs_of(key)
@@ -477,79 +456,11 @@ async def _reconcile_once(
         progress={name: step.text for name, step in steps.items() if step is not None},
     )
     reconciler: Reconciler = memo.reconciler
-    planned_from = PassInput.of(snapshot, observed, reconciler.recently_deleted(key[0]))
-    remaining = memory.remaining(planned_from)
-    if remaining is not None:
-        reconciler.metrics.reconcile_skipped()
-        return remaining
     result = await asyncio.to_thread(reconciler.reconcile, snapshot, observed)
     _post(body, result.events)
     delay = result.requeue_after or RESYNC_SECONDS
     # While a serialize or reshard Job runs, look at its progress again after a poll interval.
-    delay = min(delay, reader.interval) if reader and steps else delay
-    memory.remember(planned_from if result.settled else None, delay)
-    return delay
-
-
-@dataclass(frozen=True)
-class PassInput:
-    """What a pass plans from: the ShardedModel's identity, spec, annotations and status, and
-    what the indexes show for it. Not the clock, nor what every write changes and planning
-    never reads (the resource version, kopf's finalizer)."""
-
-    resource: dict[str, Any]
-    observed: Observed
-
-    @classmethod
-    def of(cls, snapshot: dict[str, Any], observed: Observed, deleted: frozenset[str]) -> PassInput:
-        """The input of a pass over `snapshot` with `observed` (its clock left out) and the
-        namespace's recently deleted Job names."""
-        metadata = snapshot.get("metadata") or {}
-        return cls(
-            resource={
-                "metadata": {field: metadata.get(field) for field in _PLANNED_METADATA},
-                "spec": snapshot.get("spec"),
-                "status": snapshot.get("status"),
-            },
-            observed=replace(observed, now=_NO_TIME, deleted_jobs=deleted),
-        )
-
-
-@dataclass
-class PassMemory:
-    """What one reconciler keeps between passes.
-
-    Many events that wake a reconciler change nothing it plans from: a Job's counters, a pod
-    bound to its node. A pass from the same input as the last one, which wrote nothing, would
-    write nothing again: it is left out, and the settled pass's timer still runs, so steps
-    that wait for a time keep it. The settled input is kept while the daemon sleeps.
-    """
-
-    settled: PassInput | None = None
-    due: float = 0.0
-    """When the settled pass asked to look again (monotonic seconds)."""
-    _interest: tuple[int, Interest] | None = None
-
-    def remaining(self, planned_from: PassInput) -> float | None:
-        """Seconds to the settled pass's next look if a pass from this input would repeat it,
-        else None (run the pass)."""
-        left = self.due - time.monotonic()
-        return left if left > 0 and self.settled == planned_from else None
-
-    def remember(self, settled: PassInput | None, delay: float) -> None:
-        """Record the pass that ran: its input if it settled, and when to look again."""
-        self.settled, self.due = settled, time.monotonic() + delay
-
-    def forget(self) -> None:
-        """After a failed pass: the next runs whatever its input."""
-        self.settled = None
-
-    def interest(self, snapshot: dict[str, Any]) -> Interest:
-        """The Deployments the spec targets, parsed once per generation."""
-        generation = int((snapshot.get("metadata") or {}).get("generation") or 0)
-        if self._interest is None or self._interest[0] != generation:
-            self._interest = (generation, _interest(snapshot))
-        return self._interest[1]
+    return min(delay, reader.interval) if reader and steps else delay
 
 
 def _progress(

@@ -41,7 +41,6 @@ from preshard.contract.outcome import Command, Outcome
 # histograms in what it scrapes.
 BUILD_INFO: Final = "preshard_build_info"
 RECONCILE_PASSES: Final = "preshard_reconcile_passes"
-RECONCILE_SKIPPED: Final = "preshard_reconcile_skipped"
 RECONCILE_DURATION: Final = "preshard_reconcile_duration_seconds"
 RECONCILE_ERRORS: Final = "preshard_reconcile_errors"
 SHARD_SETS: Final = "preshard_shard_sets"
@@ -163,12 +162,6 @@ class Metrics:
         self._passes = Counter(
             RECONCILE_PASSES, "Reconcile passes of ShardedModels.", registry=self.registry
         )
-        self._skipped = Counter(
-            RECONCILE_SKIPPED,
-            "Wakes of a reconciler that ran no pass: nothing it plans from had changed since "
-            "its last pass, which wrote nothing.",
-            registry=self.registry,
-        )
         self._duration = Histogram(
             RECONCILE_DURATION,
             "Time one reconcile pass took: plan, Job and Deployment writes, status write.",
@@ -275,10 +268,6 @@ class Metrics:
             self._duration.observe(time.monotonic() - started)
             if counted.error is not None:
                 self._errors.labels(counted.error).inc()
-
-    def reconcile_skipped(self) -> None:
-        """Count a wake that ran no pass (its input was that of the last, settled pass)."""
-        self._skipped.inc()
 
     def shard_sets(self, namespace: str, name: str, stages: Iterable[str]) -> None:
         """Set a ShardedModel's shard sets by stage; stages it no longer has are removed."""

@@ -79,9 +79,6 @@ class Result:
 
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
-    settled: bool = False
-    """It wrote nothing and has nothing to announce: a pass from the same input would do the
-    same (time only matters through `requeue_after`)."""
 
 
 class RecentWrites:
@@ -164,9 +161,8 @@ class Reconciler:
             new_status = plan_invalid(status, generation, str(error), observed.now)
             changed = self._write_status(namespace, name, raw_status, new_status)
             self._count_status(metadata, status, new_status, observed)
-            if not changed:
-                return Result(settled=True)
-            return Result(events=[Event("Warning", reasons.INVALID_SPEC, str(error))])
+            events = [Event("Warning", reasons.INVALID_SPEC, str(error))] if changed else []
+            return Result(events=events)
         resource = Resource(
             owner=Owner(name=name, namespace=namespace, uid=str(metadata.get("uid", ""))),
             generation=generation,
@@ -174,25 +170,16 @@ class Reconciler:
             spec=spec,
             status=status,
         )
-        observed = replace(observed, deleted_jobs=self.recently_deleted(namespace))
-        decided = plan(resource, observed, self.settings)
-        acts = bool(decided.create_jobs or decided.delete_jobs or decided.patches)
+        deleted = frozenset(job for _, job in self._deleted_jobs.matching((namespace,)))
+        decided = plan(resource, replace(observed, deleted_jobs=deleted), self.settings)
         requeue = self.execute(decided, namespace, object_log(namespace, name, resource.owner.uid))
-        wrote = self._write_status(namespace, name, raw_status, decided.status)
+        self._write_status(namespace, name, raw_status, decided.status)
         # Counted once the status that records it is written: a pass that fails before that
         # is repeated, and counts then.
         self._count_status(metadata, status, decided.status, observed)
         if requeue is not None:
             decided.requeue_after = min(requeue, decided.requeue_after or requeue)
-        return Result(
-            events=decided.events,
-            requeue_after=decided.requeue_after,
-            settled=not (acts or wrote or decided.events),
-        )
-
-    def recently_deleted(self, namespace: str) -> frozenset[str]:
-        """The names of this namespace's Jobs deleted too recently to be used again."""
-        return frozenset(job for _, job in self._deleted_jobs.matching((namespace,)))
+        return Result(events=decided.events, requeue_after=decided.requeue_after)
 
     def cleanup(
         self,
