@@ -148,11 +148,16 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_model": cpu_model,
-        "cpus": len(os.sched_getaffinity(0)),
+        "cpus": cores(),
         "memory_gib": round(memory_bytes / 1024**3, 1) if memory_bytes else None,
         "load_average": load_average(),
         "git": git_revision(),
     }
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0))
 
 
 def git_revision() -> dict[str, Any] | None:

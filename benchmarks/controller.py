@@ -42,7 +42,6 @@ import contextlib
 import copy
 import json
 import math
-import os
 import re
 import shutil
 import statistics
@@ -52,7 +51,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -108,7 +107,7 @@ _AUDIT_VERBS: Final = {
     "watch": "WATCH",
 }
 _SAMPLE: Final = re.compile(
-    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>.*)\}\s+(?P<value>\S+)"
+    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)"
 )
 _LABEL: Final = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _LOG_LEVEL: Final = re.compile(r"\[(ERROR|WARNING|CRITICAL)\s*\]")
@@ -287,17 +286,20 @@ class MetricsSnapshot:
     """`authenticated_user_requests{username="admin"}`: the operator's requests."""
 
 
+def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """Each sample of a Prometheus text exposition: its name, labels and value."""
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is not None:
+            yield match["name"], dict(_LABEL.findall(match["labels"] or "")), float(match["value"])
+
+
 def parse_metrics(text: str) -> MetricsSnapshot:
     """The counters this benchmark reads, from the Prometheus text format."""
     requests: dict[RequestKey, float] = {}
     operator = 0.0
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        labels = dict(_LABEL.findall(match["labels"]))
-        value = float(match["value"])
-        if match["name"] == "apiserver_request_total":
+    for name, labels, value in samples(text):
+        if name == "apiserver_request_total":
             resource = (
                 resource_name(labels["resource"], labels.get("group", ""), labels["subresource"])
                 if labels.get("resource")
@@ -305,7 +307,7 @@ def parse_metrics(text: str) -> MetricsSnapshot:
             )
             key = (labels.get("verb", ""), resource)
             requests[key] = requests.get(key, 0.0) + value
-        elif match["name"] == "authenticated_user_requests" and labels["username"] == OPERATOR_USER:
+        elif name == "authenticated_user_requests" and labels["username"] == OPERATOR_USER:
             operator += value
     return MetricsSnapshot(requests=requests, operator_requests=operator)
 
@@ -608,11 +610,7 @@ def reconcile_passes(metrics_port: int) -> float:
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    return sum(
-        float(line.rpartition(" ")[2])
-        for line in text.splitlines()
-        if line.startswith(f"{RECONCILE_PASSES}_total ")
-    )
+    return sum(value for name, _, value in samples(text) if name == f"{RECONCILE_PASSES}_total")
 
 
 def cluster_cpu(cluster: LocalCluster) -> dict[str, float]:
@@ -809,7 +807,7 @@ def run_baseline(cluster: LocalCluster, size: int, options: Options, say: Log) -
         "jobs_failed": len(seen.job_failed),
         # Whether the floor is the machine's CPU: what the cluster used of what the cores gave.
         "cluster_cpu_s": cpu,
-        "cpu_available_s": round(seconds * (os.cpu_count() or 1), 1),
+        "cpu_available_s": round(seconds * common.cores(), 1),
     }
 
 
@@ -901,7 +899,7 @@ def summarize(
         "cluster_cpu_s": {
             "converge": _cpu_delta(run.after_converge.cpu, run.before.cpu),
             "idle": _cpu_delta(run.after_idle.cpu, run.after_converge.cpu),
-            "converge_available": round((idle_start - start) * (os.cpu_count() or 1), 1),
+            "converge_available": round((idle_start - start) * common.cores(), 1),
         },
         "requests": {
             "operator_per_shardedmodel": table_of(converge_counts, size),
