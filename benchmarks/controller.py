@@ -20,6 +20,13 @@ kube-scheduler and kwok fake nodes):
 5. Baseline: with the operator stopped, the same pool of clients creates the same N verify Jobs
    directly. The time until all complete is the floor this cluster sets on this machine in
    this run, and `Ready / baseline` the operator's cost over that floor.
+6. Baseline with targets: in a namespace of their own, the same N Deployments; then the clients
+   create the same N verify Jobs and, as each completes, send the operator's own JSON patch
+   (`patching.patch_deployment`, `deployment_patch`, through `kube.Kube`) to its Deployment.
+   The time until every patched template is rolled out is the floor of all the cluster work a
+   ShardedModel's Ready stands for (the Jobs, and the Deployment controller's rollouts), and
+   `Ready / baseline with targets` the operator's own cost over it: its CPU, and the API
+   server's for its watches and its other writes (status, events, finalizers).
 
 Why `replicas: 0`: the operator never touches replicas, and a running vLLM pod per model would
 measure the scheduler and kwok (1000 pods asking for GPUs the fake nodes would need to hold)
@@ -42,6 +49,7 @@ import contextlib
 import copy
 import json
 import math
+import queue
 import re
 import shutil
 import statistics
@@ -65,9 +73,10 @@ from kubernetes.client.exceptions import ApiException
 
 from benchmarks import common
 from preshard.api import models
-from preshard.builders import jobs
-from preshard.builders.identity import artifact_key
+from preshard.builders import Manifest, jobs, patching
+from preshard.builders.identity import artifact_key, serializer_vllm_version
 from preshard.builders.shardset import Owner, ShardSet
+from preshard.controller.kube import Kube
 from preshard.controller.metrics import RECONCILE_PASSES
 from preshard.settings import Settings
 from preshard_devenv import nodes, procs, workloads
@@ -82,6 +91,7 @@ NAME: Final = "controller"
 OPERATOR_USER: Final = "admin"
 NAMESPACE: Final = "models"
 BASELINE_NAMESPACE: Final = "baseline"
+TARGETS_NAMESPACE: Final = "baseline-targets"
 TENSOR_PARALLEL_SIZE: Final = 2
 REPLICAS: Final = 0
 WATCH_SECONDS: Final = 5
@@ -345,30 +355,41 @@ class Observations:
     reasons: dict[str, str] = field(default_factory=dict)
     ready_lost: int = 0
     changes: list[float] = field(default_factory=list)
+    rolled_out: set[str] = field(default_factory=set)
+    """Deployments whose current template is rolled out."""
+    patched_rolled_out: dict[str, float] = field(default_factory=dict)
+    """When each Deployment's patched template was first seen rolled out."""
 
 
 class Watcher:
-    """Follows the Jobs (and optionally ShardedModels) of one namespace through watch streams."""
+    """Follows the Jobs, and optionally the ShardedModels or the Deployments, of one namespace
+    through watch streams; `on_job_done` is called with each Job's name when it first ends."""
 
-    def __init__(self, cluster: LocalCluster, namespace: str, *, models_too: bool) -> None:
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        namespace: str,
+        *,
+        models_too: bool = False,
+        deployments_too: bool = False,
+        on_job_done: Callable[[str], None] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.namespace = namespace
         self.seen = Observations()
+        self._on_job_done = on_job_done
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(
-                target=self._follow, args=("batch", "v1", "jobs", self._on_job), daemon=True
-            )
+        follow: list[tuple[str, str, str, Callable[[dict[str, Any]], None]]] = [
+            ("batch", "v1", "jobs", self._on_job)
         ]
         if models_too:
-            self._threads.append(
-                threading.Thread(
-                    target=self._follow,
-                    args=(models.GROUP, models.VERSION, models.PLURAL, self._on_model),
-                    daemon=True,
-                )
-            )
+            follow.append((models.GROUP, models.VERSION, models.PLURAL, self._on_model))
+        if deployments_too:
+            follow.append(("apps", "v1", "deployments", self._on_deployment))
+        self._threads = [
+            threading.Thread(target=self._follow, args=args, daemon=True) for args in follow
+        ]
 
     def start(self) -> Watcher:
         """Start following."""
@@ -437,6 +458,7 @@ class Watcher:
         name = job["metadata"]["name"]
         with self._lock:
             self.seen.job_created.setdefault(name, now)
+            ended = name in self.seen.job_done
             for condition in (job.get("status") or {}).get("conditions") or []:
                 if condition.get("status") != "True":
                     continue
@@ -445,6 +467,22 @@ class Watcher:
                 elif condition.get("type") == "Failed":
                     self.seen.job_failed.add(name)
                     self.seen.job_done.setdefault(name, now)
+            ends_now = not ended and name in self.seen.job_done
+        if ends_now and self._on_job_done is not None:
+            self._on_job_done(name)
+
+    def _on_deployment(self, deployment: dict[str, Any]) -> None:
+        now = time.time()
+        name = deployment["metadata"]["name"]
+        rolled_out = patching.rollout_complete(deployment)
+        patched = patching.applied_artifact_key(deployment) is not None
+        with self._lock:
+            if not rolled_out:
+                self.seen.rolled_out.discard(name)
+                return
+            self.seen.rolled_out.add(name)
+            if patched:
+                self.seen.patched_rolled_out.setdefault(name, now)
 
     def _on_model(self, resource: dict[str, Any]) -> None:
         now = time.time()
@@ -494,24 +532,46 @@ def model_spec(index: int) -> dict[str, Any]:
     }
 
 
-def plain_verify_job(index: int, namespace: str, settings: Settings) -> dict[str, Any]:
-    """The verify Job the operator would create for the i-th model, without an owner."""
+def _shard_set(
+    index: int, namespace: str, settings: Settings
+) -> tuple[models.ShardedModelSpec, ShardSet]:
     spec = models.parse_spec(model_spec(index))
     image = spec.serialization.image or settings.serializer_image
     key = artifact_key(spec, TENSOR_PARALLEL_SIZE, namespace=namespace, serializer_image=image)
+    return spec, ShardSet.for_spec(spec, TENSOR_PARALLEL_SIZE, key)
+
+
+def plain_verify_job(index: int, namespace: str, settings: Settings) -> dict[str, Any]:
+    """The verify Job the operator would create for the i-th model, without an owner."""
+    spec, shard_set = _shard_set(index, namespace, settings)
     owner = Owner(name=model_name(index), namespace=namespace, uid="")
     manifest = jobs.build_verify_job(
-        jobs.JobInput(
-            owner=owner,
-            spec=spec,
-            shard_set=ShardSet.for_spec(spec, TENSOR_PARALLEL_SIZE, key),
-            settings=settings,
-            run=1,
-        )
+        jobs.JobInput(owner=owner, spec=spec, shard_set=shard_set, settings=settings, run=1)
     )
     # Without a ShardedModel to own it, an owner reference would get it garbage-collected.
     del manifest["metadata"]["ownerReferences"]
     return manifest
+
+
+def target_patch(
+    index: int, namespace: str, deployment: Manifest, settings: Settings
+) -> list[Manifest]:
+    """The JSON patch the operator sends to point the i-th Deployment at its verified set."""
+    spec, shard_set = _shard_set(index, namespace, settings)
+    patched = patching.patch_deployment(
+        deployment,
+        patching.TargetInput(
+            owner=Owner(name=model_name(index), namespace=namespace, uid=""),
+            spec=spec,
+            shard_set=shard_set,
+            settings=settings,
+            container=None,
+            shard_vllm_version=serializer_vllm_version(spec, settings),
+        ),
+    )
+    if isinstance(patched, patching.Refusal):
+        raise RuntimeError(f"{patched.reason}: {patched.message}")
+    return patching.deployment_patch(deployment, patched.deployment)
 
 
 def in_parallel(
@@ -654,6 +714,7 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
             extra_nodes = add_kwok_nodes(admin, size)
             create_namespace(admin, NAMESPACE)
             create_namespace(admin, BASELINE_NAMESPACE)
+            create_namespace(admin, TARGETS_NAMESPACE)
         deployments_s = in_parallel(
             cluster,
             size,
@@ -692,10 +753,12 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
         # Watch requests are logged when they end: some only ended with the operator.
         audit.poll()
         say(f"N={size}: baseline: {size} verify Jobs without the operator")
-        baseline = run_baseline(cluster, size, options, say)
+        baseline = run_baseline(cluster, size, options, say, targets=False)
+        say(f"N={size}: baseline with targets: the same Jobs, each followed by its patch")
+        targets_baseline = run_baseline(cluster, size, options, say, targets=True)
     finally:
         cluster.stop()
-    result = summarize(run, audit, baseline, operator.log())
+    result = summarize(run, audit, baseline, targets_baseline, operator.log())
     return {
         "size": size,
         "load_average": {"before": load_before, "after": common.load_average()},
@@ -768,39 +831,71 @@ def drive(
     )
 
 
-def run_baseline(cluster: LocalCluster, size: int, options: Options, say: Log) -> dict[str, Any]:
-    """The same N verify Jobs, created directly: the floor the cluster sets."""
+def run_baseline(
+    cluster: LocalCluster, size: int, options: Options, say: Log, *, targets: bool
+) -> dict[str, Any]:
+    """The same N verify Jobs, created directly: the floor the cluster sets.
+
+    With `targets`, in a namespace of their own, the same N Deployments are created first (not
+    timed), and each Job's completion is followed by the operator's patch of its Deployment:
+    the floor then ends when every patched template is rolled out.
+    """
+    namespace = TARGETS_NAMESPACE if targets else BASELINE_NAMESPACE
     settings = Settings()
-    manifests = [plain_verify_job(i, BASELINE_NAMESPACE, settings) for i in range(size)]
-    watcher = Watcher(cluster, BASELINE_NAMESPACE, models_too=False).start()
+    manifests = [plain_verify_job(i, namespace, settings) for i in range(size)]
+    index_of = {manifest["metadata"]["name"]: i for i, manifest in enumerate(manifests)}
+    ended: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    watcher = Watcher(
+        cluster,
+        namespace,
+        deployments_too=targets,
+        on_job_done=(lambda name: ended.put(index_of[name])) if targets else None,
+    ).start()
+
+    def finished(seen: Observations) -> int:
+        return len(seen.patched_rolled_out if targets else seen.job_done)
+
     try:
+        deployments = create_targets(cluster, size, options, watcher) if targets else []
         cpu_before = cluster_cpu(cluster)
         start = time.time()
-        create_s = in_parallel(
-            cluster,
-            size,
-            lambda api, i: k8s.BatchV1Api(api).create_namespaced_job(
-                BASELINE_NAMESPACE, k8s.V1Job.model_validate(manifests[i])
-            ),
-            options.workers,
-        )
-        with contextlib.suppress(TimeoutError):
-            procs.wait_for(
-                lambda: watcher.count(lambda seen: len(seen.job_done)) >= size,
-                timeout=options.timeout_seconds,
-                interval=POLL_SECONDS,
-                what="every baseline Job to complete",
+        with ThreadPoolExecutor(max_workers=options.workers) as pool:
+            patchers = [
+                pool.submit(patch_targets, cluster, ended, deployments, settings)
+                for _ in range(options.workers if targets else 0)
+            ]
+            create_s = in_parallel(
+                cluster,
+                size,
+                lambda api, i: k8s.BatchV1Api(api).create_namespaced_job(
+                    namespace, k8s.V1Job.model_validate(manifests[i])
+                ),
+                options.workers,
             )
+            with contextlib.suppress(TimeoutError):
+                procs.wait_for(
+                    lambda: (
+                        watcher.count(finished) >= size
+                        or any(patcher.done() for patcher in patchers)
+                    ),
+                    timeout=options.timeout_seconds,
+                    interval=POLL_SECONDS,
+                    what="every baseline Job to complete"
+                    + (" and its patch to roll out" * targets),
+                )
+            for _ in patchers:
+                ended.put(None)
+            for patcher in patchers:
+                patcher.result()
         cpu = _cpu_delta(cluster_cpu(cluster), cpu_before)
         seconds = time.time() - start
     finally:
         watcher.stop()
     seen = watcher.snapshot()
-    done = len(seen.job_done) >= size
-    all_complete = max(seen.job_done.values()) - start if done else None
-    finished = len(seen.job_done)
-    say(f"N={size}: baseline: {finished}/{size} Jobs complete after {time.time() - start:.1f}s")
-    return {
+    last = seen.patched_rolled_out if targets else seen.job_done
+    all_complete = max(last.values()) - start if len(last) >= size else None
+    say(f"N={size}: baseline: {len(last)}/{size} done after {seconds:.1f}s")
+    result: dict[str, Any] = {
         "create_s": round(create_s, 2),
         "jobs_complete_s": seconds_after(start, seen.job_done.values()),
         "all_complete_s": _round(all_complete),
@@ -809,6 +904,53 @@ def run_baseline(cluster: LocalCluster, size: int, options: Options, say: Log) -
         "cluster_cpu_s": cpu,
         "cpu_available_s": round(seconds * common.cores(), 1),
     }
+    if targets:
+        result["rollouts_complete_s"] = seconds_after(start, seen.patched_rolled_out.values())
+    return result
+
+
+def create_targets(
+    cluster: LocalCluster, size: int, options: Options, watcher: Watcher
+) -> list[Manifest]:
+    """The N Deployments in the watcher's namespace, each rolled out; returns them as stored."""
+    created: list[Manifest] = [{} for _ in range(size)]
+
+    def create(api: k8s.ApiClient, index: int) -> None:
+        created[index] = workloads.create_deployment(
+            api,
+            watcher.namespace,
+            deployment_name(index),
+            container=vllm_container(index),
+            replicas=REPLICAS,
+        )
+
+    in_parallel(cluster, size, create, options.workers)
+    procs.wait_for(
+        lambda: watcher.count(lambda seen: len(seen.rolled_out)) >= size,
+        timeout=options.timeout_seconds,
+        interval=POLL_SECONDS,
+        what="the baseline's Deployments to roll out",
+    )
+    return created
+
+
+def patch_targets(
+    cluster: LocalCluster,
+    ended: queue.SimpleQueue[int | None],
+    deployments: Sequence[Manifest],
+    settings: Settings,
+) -> None:
+    """Patch the Deployment of each model whose Job ended, as the operator would, until None."""
+    with cluster.api_client() as api:
+        kube = Kube(api)
+        while (index := ended.get()) is not None:
+            deployment = deployments[index]
+            namespace = deployment["metadata"]["namespace"]
+            kube.patch_deployment(
+                namespace,
+                deployment["metadata"]["name"],
+                target_patch(index, namespace, deployment, settings),
+            )
 
 
 # Summaries ----------------------------------------------------------------------------------
@@ -846,7 +988,11 @@ def log_levels(text: str) -> dict[str, int]:
 
 
 def summarize(
-    run: Run, audit: AuditLog, baseline: dict[str, Any], operator_log: str
+    run: Run,
+    audit: AuditLog,
+    baseline: dict[str, Any],
+    targets_baseline: dict[str, Any],
+    operator_log: str,
 ) -> dict[str, Any]:
     """The figures of one size, from the raw observations."""
     size, seen = run.size, run.seen
@@ -875,6 +1021,10 @@ def summarize(
         "settled_s": _round(run.settled_at - start if run.settled_at is not None else None),
         "baseline": baseline,
         "ready_over_baseline": _round(common.ratio(all_ready, baseline["all_complete_s"])),
+        "baseline_with_targets": targets_baseline,
+        "ready_over_baseline_with_targets": _round(
+            common.ratio(all_ready, targets_baseline["all_complete_s"])
+        ),
         "operator": {
             "peak_rss_mib": _mib(run.after_idle.usage.peak_rss_bytes),
             "rss_mib": {
@@ -979,7 +1129,8 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
     """The summary, the request breakdown and the targets, as tables."""
     common.print_table(
         "The controller at scale: seconds from the start of apply; baseline: the same verify "
-        "Jobs created without the operator",
+        "Jobs created without the operator; baseline+targets: those Jobs and, as each "
+        "completes, the operator's patch of its Deployment, until every rollout is done",
         [
             "N",
             "apply",
@@ -989,6 +1140,8 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
             "settled",
             "baseline",
             "Ready/baseline",
+            "baseline+targets",
+            "Ready/b+t",
             "peak RSS MiB",
             "CPU s",
             "passes/SHM",
@@ -1007,6 +1160,8 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
                 r["settled_s"],
                 r["baseline"]["all_complete_s"],
                 r["ready_over_baseline"],
+                r["baseline_with_targets"]["all_complete_s"],
+                r["ready_over_baseline_with_targets"],
                 r["operator"]["peak_rss_mib"],
                 r["operator"]["cpu_s"]["converge"],
                 r["operator"]["reconcile_passes_per_shardedmodel"],

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from benchmarks import controller
 
+from preshard.builders import patching
 from preshard.settings import Settings
+from preshard_devenv import workloads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,6 +63,12 @@ def test_a_smoke_run_measures_every_figure(tmp_path: Path) -> None:
     assert result["baseline"]["cpu_available_s"] > 0
     assert result["cluster_cpu_s"]["converge_available"] > 0
     assert result["ready_over_baseline"] > 0
+    # The floor with targets ends when the last patched template is rolled out, after its Job.
+    with_targets = result["baseline_with_targets"]
+    assert with_targets["jobs_failed"] == 0
+    assert with_targets["all_complete_s"] == with_targets["rollouts_complete_s"]["max"]
+    assert with_targets["all_complete_s"] > with_targets["jobs_complete_s"]["max"] > 0
+    assert result["ready_over_baseline_with_targets"] > 0
     assert result["operator"]["peak_rss_mib"] > 0
     assert result["operator"]["reconcile_passes_per_shardedmodel"] >= 1
     requests = result["requests"]
@@ -151,3 +159,18 @@ def test_the_baseline_job_is_the_operators_verify_job_without_an_owner() -> None
     assert job["metadata"]["name"].startswith("model-7-")
     assert job["metadata"]["name"].endswith("-verify-1")
     assert job["spec"]["template"]["metadata"]["labels"]["preshard.dev/command"] == "verify"
+
+
+def test_the_baseline_patch_is_the_operators_patch_for_the_verified_set() -> None:
+    job = controller.plain_verify_job(7, "baseline", Settings())
+    deployment = workloads.vllm_deployment(
+        "vllm-7", namespace="baseline", container=controller.vllm_container(7), replicas=0
+    )
+    deployment["metadata"]["generation"] = 1
+    patch = controller.target_patch(7, "baseline", deployment, Settings())
+    assert patch[0] == {"op": "test", "path": "/metadata/generation", "value": 1}
+    annotations = {op["path"].rsplit("/", 1)[-1]: op["value"] for op in patch[1:-1]}
+    key = job["metadata"]["labels"]["preshard.dev/artifact-key"]
+    assert annotations[patching.ANNOTATION_ARTIFACT_KEY.replace("/", "~1")] == key
+    (container,) = patch[-1]["value"]["spec"]["containers"]
+    assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "2"
