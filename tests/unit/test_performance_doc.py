@@ -429,6 +429,26 @@ CONTROLLER_RUN_COLUMNS: Final[dict[str, Callable[[dict[str, Any]], float]]] = {
     "writes/SHM": lambda size: size["requests"]["operator_writes_per_shardedmodel"],
     "idle writes": lambda size: size["idle"]["operator_writes"],
 }
+# The two floors, from run 18 on: the Jobs alone, and the Jobs with the operator's patch of each
+# Deployment until its rollout is done. A component's CPU seconds are shown for the baseline,
+# the baseline with targets and the operator's run, in that order (`cluster_cpu_s`).
+PHASES_CPU: Final[tuple[Callable[[dict[str, Any]], dict[str, float]], ...]] = (
+    lambda size: size["baseline"]["cluster_cpu_s"],
+    lambda size: size["baseline_with_targets"]["cluster_cpu_s"],
+    lambda size: size["cluster_cpu_s"]["converge"],
+)
+CONTROLLER_FLOOR_COLUMNS: Final[dict[str, Callable[[dict[str, Any]], list[float]]]] = {
+    "baseline": lambda size: [size["baseline"]["all_complete_s"]],
+    "with targets": lambda size: [size["baseline_with_targets"]["all_complete_s"]],
+    "all Ready": lambda size: [size["all_ready_s"]],
+    "Ready/baseline": lambda size: [size["ready_over_baseline"]],
+    "Ready/with targets": lambda size: [size["ready_over_baseline_with_targets"]],
+    "operator CPU s": lambda size: [size["operator"]["cpu_s"]["converge"]],
+    "kube-apiserver CPU s": lambda size: [cpu(size)["kube-apiserver"] for cpu in PHASES_CPU],
+    "kube-controller-manager CPU s": lambda size: [
+        cpu(size)["kube-controller-manager"] for cpu in PHASES_CPU
+    ],
+}
 # The page's names of the operator's requests, and the audit log's.
 CONTROLLER_REQUESTS: Final = {
     "PATCH `shardedmodels/status`": "PATCH shardedmodels.preshard.dev/status",
@@ -534,6 +554,20 @@ def controller_requests(table: Table) -> None:
     check.done(writes)
 
 
+def controller_floors(table: Table) -> None:
+    """The two floors of every run, Ready against each, and the CPU behind them."""
+    check = Check(table, ["run", "N", *CONTROLLER_FLOOR_COLUMNS])
+    expected = {(run, n) for run in table.runs for n in controller_sizes(table, run)}
+    for row in check.rows():
+        key = (int(row["run"]), int(row["N"]))
+        if not check.row(key, key in expected):
+            continue
+        size = controller_sizes(table, key[0])[key[1]]
+        for column, figures in CONTROLLER_FLOOR_COLUMNS.items():
+            check.figures(f"run {key[0]}, N={key[1]}, {column}", row[column], figures(size))
+    check.done(expected)
+
+
 def target_column(header: str) -> tuple[int, list[int]]:
     """`N=1000 (run 6; runs 1 to 5)`: the N and the runs, in the order of the cells."""
     match = re.fullmatch(r"N=(\d+) \((.*)\)", header)
@@ -582,7 +616,12 @@ EXPECTED: Final[dict[str, tuple[Callable[[Table], None], ...]]] = {
     "Making shards": (serialize_methods, serialize_ratios, serialize_targets),
     "Changing the TP size": (reshard_pairs, reshard_pairs),
     "Loading shards": (load_loads, load_loads),
-    "The controller at scale": (controller_runs, controller_requests, controller_targets),
+    "The controller at scale": (
+        controller_runs,
+        controller_requests,
+        controller_targets,
+        controller_floors,
+    ),
 }
 CASES: Final = [
     pytest.param(section, position, checker, id=f"{SECTIONS[section]}-{checker.__name__}")
