@@ -59,6 +59,10 @@ PODS: Final = ("", "v1", "pods")
 DEPLOYMENTS: Final = ("apps", "v1", "deployments")
 SHARDEDMODELS: Final = (models.GROUP, models.VERSION, models.PLURAL)
 WATCHED: Final = (JOBS, PODS, DEPLOYMENTS, SHARDEDMODELS)
+# Sent with the Job stream, so the API server streams only the Jobs preshard created (all carry
+# it: `shardset.labels`), not every Job of the cluster. The pod stream cannot be narrowed so: the
+# pods of patched Deployments carry no label of preshard's.
+JOB_SELECTOR: Final = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 # Requests kopf may have in flight at once besides its watch streams.
 API_REQUESTS: Final = 32
 
@@ -219,8 +223,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # The resources are known in advance; scanning CRDs and namespaces would need RBAC the
     # operator deliberately lacks (and kopf retries the refusals for a minute at start-up).
     settings.scanning.disabled = True
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
+    configure_watching(settings)
     settings.execution.max_workers = 8
     settings.batching.error_delays = [1, 2, 5, 10, 20, 30]
     operator_settings: Settings = memo.get("settings") or Settings.from_env()
@@ -245,6 +248,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         if operator_settings.progress_seconds
         else None
     )
+
+
+def configure_watching(settings: kopf.OperatorSettings) -> None:
+    """How kopf's watch streams are opened: their timeouts, and the API server's filter."""
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.label_selectors[JOBS] = JOB_SELECTOR
 
 
 def api_connection_limit(namespaces: Sequence[str]) -> int:
@@ -322,7 +332,8 @@ async def pod_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels,
 
 
 # kopf watches all pods (a handler's label filter is applied to the stream, not sent to the API
-# server), so this index costs no request of its own: it keeps the few pods of patched templates.
+# server, and no server-side one fits: see JOB_SELECTOR), so this index costs no request of its
+# own: it keeps the few pods of patched templates.
 @kopf.index(*PODS)
 async def target_pod_index(namespace: str | None, body: kopf.Body, **_: Any) -> Any:
     """Pods of patched Deployments: `(namespace, Deployment name) -> TargetPodView`."""
