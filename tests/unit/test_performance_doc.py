@@ -487,18 +487,27 @@ def controller_sizes(table: Table, run: int) -> dict[int, dict[str, Any]]:
     return {size["size"]: size for size in results(table.runs[run])["sizes"]}
 
 
-def controller_runs(table: Table) -> None:
-    """Every run at every N: times, memory, CPU and writes (`results.sizes`)."""
-    check = Check(table, ["run", "N", *CONTROLLER_RUN_COLUMNS])
+def controller_columns(
+    table: Table, columns: Mapping[str, Callable[[dict[str, Any]], float | list[float]]]
+) -> None:
+    """A row per run and N, each column's figures from that run's measurements at that N."""
+    check = Check(table, ["run", "N", *columns])
     expected = {(run, n) for run in table.runs for n in controller_sizes(table, run)}
     for row in check.rows():
         key = (int(row["run"]), int(row["N"]))
         if not check.row(key, key in expected):
             continue
         size = controller_sizes(table, key[0])[key[1]]
-        for column, figure in CONTROLLER_RUN_COLUMNS.items():
-            check.figures(f"run {key[0]}, N={key[1]}, {column}", row[column], [figure(size)])
+        for column, figure in columns.items():
+            values = figure(size)
+            shown = values if isinstance(values, list) else [values]
+            check.figures(f"run {key[0]}, N={key[1]}, {column}", row[column], shown)
     check.done(expected)
+
+
+def controller_runs(table: Table) -> None:
+    """Every run at every N: times, memory, CPU and writes (`results.sizes`)."""
+    controller_columns(table, CONTROLLER_RUN_COLUMNS)
 
 
 def controller_requests(table: Table) -> None:
@@ -556,16 +565,7 @@ def controller_requests(table: Table) -> None:
 
 def controller_floors(table: Table) -> None:
     """The two floors of every run, Ready against each, and the CPU behind them."""
-    check = Check(table, ["run", "N", *CONTROLLER_FLOOR_COLUMNS])
-    expected = {(run, n) for run in table.runs for n in controller_sizes(table, run)}
-    for row in check.rows():
-        key = (int(row["run"]), int(row["N"]))
-        if not check.row(key, key in expected):
-            continue
-        size = controller_sizes(table, key[0])[key[1]]
-        for column, figures in CONTROLLER_FLOOR_COLUMNS.items():
-            check.figures(f"run {key[0]}, N={key[1]}, {column}", row[column], figures(size))
-    check.done(expected)
+    controller_columns(table, CONTROLLER_FLOOR_COLUMNS)
 
 
 def target_column(header: str) -> tuple[int, list[int]]:
