@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Final
 
 from kubernetes import client as k8s
@@ -67,7 +66,7 @@ def _quiet(_: str) -> None:
     return None
 
 
-class LocalCluster:
+class LocalCluster(procs.Service):
     """A control plane in one work directory; `start()` it, then `stop()` it (or use `with`)."""
 
     def __init__(self, work_dir: Path, *, tools: Mapping[str, Path] | None = None) -> None:
@@ -159,17 +158,6 @@ class LocalCluster:
         apiserver.stop_timeout = 2
         apiserver.stop()
         self._launch_apiserver()
-
-    def __enter__(self) -> LocalCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # Credentials.
 

@@ -12,14 +12,13 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 
 from preshard_devenv import procs
 
 LIVENESS: str = "--liveness"
 
 
-class OperatorProcess:
+class OperatorProcess(procs.Service):
     """One `preshard <args>` process at a time, restartable.
 
     Only the liveness endpoint is changed from the args given: it binds a free port on
@@ -114,14 +113,3 @@ class OperatorProcess:
     def log_tail(self, lines: int = 40) -> str:
         """The end of the operator's log, for failure messages."""
         return "\n".join(self.log().splitlines()[-lines:])
-
-    def __enter__(self) -> OperatorProcess:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -12,17 +12,41 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
-from typing import NoReturn, TypeVar
+from types import FrameType, TracebackType
+from typing import NoReturn, Self, TypeVar
 
 T = TypeVar("T")
 
 
 class DevEnvError(RuntimeError):
     """A step of the local environment failed; the message says which and how to fix it."""
+
+
+class Service(ABC):
+    """Something that runs between `start()` and `stop()`; a `with` block does both."""
+
+    @abstractmethod
+    def start(self) -> Self:
+        """Start it and wait until it serves."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Stop it and what it started."""
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
 
 
 def interrupt_on_signals() -> None:

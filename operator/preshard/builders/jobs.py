@@ -29,14 +29,12 @@ from preshard.builders.pods import (
 from preshard.builders.shardset import (
     ANNOTATION_TP,
     ANNOTATION_URI,
-    Owner,
-    ShardSet,
+    BuildInput,
     child_name,
     labels,
 )
 from preshard.contract.layout import S3Location
 from preshard.contract.outcome import PERMANENT_EXIT_CODES
-from preshard.settings import Settings
 
 SERIALIZE: Final = "serialize"
 RESHARD: Final = "reshard"
@@ -77,13 +75,9 @@ _DECIMAL: Final = re.compile(r"^-?[0-9]+\.[0-9]+$")
 
 
 @dataclass(frozen=True)
-class JobInput:
-    """What every Job builder needs."""
+class JobInput(BuildInput):
+    """What every Job builder needs: which run of the Job this is, too."""
 
-    owner: Owner
-    spec: models.ShardedModelSpec
-    shard_set: ShardSet
-    settings: Settings
     run: int
 
 

@@ -46,7 +46,7 @@ from preshard.builders.pods import (
     s3_endpoint_url,
     s3_env,
 )
-from preshard.builders.shardset import Owner, ShardSet
+from preshard.builders.shardset import ANNOTATION_TP, BuildInput
 from preshard.builders.vllm_args import (
     ContainerCommand,
     TensorizerLoad,
@@ -57,7 +57,6 @@ from preshard.builders.vllm_args import (
 )
 from preshard.contract import reasons
 from preshard.contract.layout import MANIFEST_FORMAT, tensorizer_uri
-from preshard.settings import Settings
 
 ANNOTATION_OWNER: Final = "preshard.dev/owner"
 ANNOTATION_ORIGINAL: Final = "preshard.dev/original"
@@ -67,7 +66,6 @@ ANNOTATION_INPUT_HASH: Final = "preshard.dev/input-hash"
 ANNOTATION_ARTIFACT_KEY: Final = "preshard.dev/artifact-key"
 # The set loaded before the last switch: old pods still read it until the rollout completes.
 ANNOTATION_PREVIOUS_KEY: Final = "preshard.dev/previous-artifact-key"
-ANNOTATION_TP: Final = "preshard.dev/tensor-parallel-size"
 ANNOTATION_IMAGE: Final = "preshard.dev/container-image"
 # How often the same patch was written in a row (`PatchRounds`): a GitOps tool that reverts it
 # each time is met with a refusal, not with a GPU restart per round.
@@ -137,13 +135,9 @@ INIT_RESOURCES: Final[Manifest] = {
 
 
 @dataclass(frozen=True)
-class TargetInput:
+class TargetInput(BuildInput):
     """What patching one Deployment needs."""
 
-    owner: Owner
-    spec: models.ShardedModelSpec
-    shard_set: ShardSet
-    settings: Settings
     container: str | None
     allow_controller_owned: bool = False
     """Patch it even when another controller owns the Deployment (`allowControllerOwned`)."""

@@ -12,6 +12,7 @@ from typing import Final
 from preshard.api import models
 from preshard.builders import Manifest
 from preshard.contract.layout import S3Location, shard_set_location
+from preshard.settings import Settings
 
 MANAGED_BY: Final = "preshard"
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
@@ -20,6 +21,7 @@ LABEL_COMPONENT: Final = "app.kubernetes.io/component"
 LABEL_SHARDEDMODEL: Final = "preshard.dev/shardedmodel"
 LABEL_ARTIFACT_KEY: Final = "preshard.dev/artifact-key"
 LABEL_COMMAND: Final = "preshard.dev/command"
+# On the Jobs that make or check a set and on the Deployments patched to load it.
 ANNOTATION_TP: Final = "preshard.dev/tensor-parallel-size"
 ANNOTATION_URI: Final = "preshard.dev/uri"
 
@@ -71,6 +73,17 @@ class ShardSet:
     def uri(self) -> str:
         """The set's prefix as an `s3://` URI ending in `/`."""
         return self.location.uri
+
+
+@dataclass(frozen=True)
+class BuildInput:
+    """What every builder of an object for a shard set needs: the ShardedModel it belongs to,
+    its spec, the set and the operator's settings."""
+
+    owner: Owner
+    spec: models.ShardedModelSpec
+    shard_set: ShardSet
+    settings: Settings
 
 
 def child_name(owner: Owner, shard_set: ShardSet, kind: str, run: int) -> str:

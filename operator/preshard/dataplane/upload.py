@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 from preshard.contract import reasons
 from preshard.contract.layout import S3Location
@@ -38,6 +38,8 @@ from preshard.dataplane.s3 import RetryPolicy, call_with_retries
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
     from mypy_boto3_s3.type_defs import CompletedPartTypeDef
+
+T = TypeVar("T")
 
 MIB: Final = 1 << 20
 MIN_PART_SIZE: Final = 5 * MIB
@@ -214,16 +216,14 @@ class Uploader:
 
         def put() -> None:
             try:
-                call_with_retries(
+                self._request(
                     lambda: self._client.put_object(
                         Bucket=self._location.bucket,
                         Key=key,
                         Body=data,
                         ChecksumCRC64NVME=s3_header(crc),
                     ),
-                    what=f"uploading {local.name}",
-                    policy=self._settings.retry,
-                    stop=self._stop,
+                    f"uploading {local.name}",
                 )
             finally:
                 self._budget.release()
@@ -240,13 +240,11 @@ class Uploader:
 
     def _put_multipart(self, local: LocalFile, size: int, part_size: int) -> StoredFile:
         key = self._location.key(local.name)
-        created = call_with_retries(
+        created = self._request(
             lambda: self._client.create_multipart_upload(
                 Bucket=self._location.bucket, Key=key, ChecksumAlgorithm="CRC64NVME"
             ),
-            what=f"starting the upload of {local.name}",
-            policy=self._settings.retry,
-            stop=self._stop,
+            f"starting the upload of {local.name}",
         )
         upload_id = created["UploadId"]
         try:
@@ -255,16 +253,15 @@ class Uploader:
                 raise DataplaneError(
                     reasons.SERIALIZATION_FAILED, f"{local.name} changed size while it was uploaded"
                 )
-            call_with_retries(
+            self._request(
                 lambda: self._client.complete_multipart_upload(
                     Bucket=self._location.bucket,
                     Key=key,
                     UploadId=upload_id,
                     MultipartUpload={"Parts": parts},
                 ),
-                what=f"completing the upload of {local.name}",
-                policy=self._settings.retry,
-                stop=None,
+                f"completing the upload of {local.name}",
+                stoppable=False,
             )
         except BaseException:
             self._stop.set()
@@ -314,7 +311,7 @@ class Uploader:
         part's length, from which the whole file's checksum is combined."""
         try:
             crc = crc64nvme(data)
-            response = call_with_retries(
+            response = self._request(
                 lambda: self._client.upload_part(
                     Bucket=self._location.bucket,
                     Key=key,
@@ -323,9 +320,7 @@ class Uploader:
                     Body=data,
                     ChecksumCRC64NVME=s3_header(crc),
                 ),
-                what=f"uploading part {number} of {name}",
-                policy=self._settings.retry,
-                stop=self._stop,
+                f"uploading part {number} of {name}",
             )
             assert self._progress is not None  # noqa: S101 - set by upload()
             self._progress.add(len(data))
@@ -341,6 +336,13 @@ class Uploader:
         if response.get("ChecksumCRC64NVME"):
             part["ChecksumCRC64NVME"] = response["ChecksumCRC64NVME"]
         return part, crc, len(data)
+
+    def _request(self, call: Callable[[], T], what: str, *, stoppable: bool = True) -> T:
+        """One request of the transfer, retried by its policy; `stoppable` ones give up early
+        once another part of the transfer failed (completing an upload is not one)."""
+        return call_with_retries(
+            call, what=what, policy=self._settings.retry, stop=self._stop if stoppable else None
+        )
 
     def _acquire_budget(self) -> None:
         while not self._budget.acquire(timeout=0.5):

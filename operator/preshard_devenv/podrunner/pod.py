@@ -19,7 +19,7 @@ from kubernetes.client.exceptions import ApiException
 
 from preshard_devenv.podrunner.containers import ContainerRun, kill_all
 from preshard_devenv.podrunner.images import LocalImage
-from preshard_devenv.podrunner.podspec import ConfigError
+from preshard_devenv.podrunner.podspec import ConfigError, identity
 from preshard_devenv.podrunner.status import now, pod_status
 from preshard_devenv.podrunner.volumes import PodSources
 
@@ -60,10 +60,7 @@ class PodRun:
     def __init__(self, runner: Kubelet, pod: Pod) -> None:
         self.runner = runner
         self.pod = pod
-        meta = pod["metadata"]
-        self.namespace: str = meta["namespace"]
-        self.name: str = meta["name"]
-        self.uid: str = meta["uid"]
+        self.namespace, self.name, self.uid = identity(pod)
         self.dir = runner.work_dir / self.namespace / f"{self.name}-{self.uid[:8]}"
         # Short, because programs put Unix sockets there (vLLM's ZeroMQ IPC paths), and a
         # socket path is limited to 107 bytes.

@@ -13,6 +13,12 @@ class ConfigError(Exception):
     """A container cannot be configured yet (the kubelet's CreateContainerConfigError)."""
 
 
+def identity(pod: Mapping[str, Any]) -> tuple[str, str, str]:
+    """A pod's namespace, name and uid."""
+    meta = pod["metadata"]
+    return str(meta["namespace"]), str(meta["name"]), str(meta["uid"])
+
+
 def expand(text: str, lookup: Mapping[str, str]) -> str:
     """Kubernetes `$(VAR)` expansion: defined names are replaced, `$$` is a literal `$`,
     anything else (an undefined name, a lone `$`) stays as written."""

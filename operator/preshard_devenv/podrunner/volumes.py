@@ -7,14 +7,14 @@ from __future__ import annotations
 import base64
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from preshard_devenv.podrunner.podspec import ConfigError, PathMap, expand
+from preshard_devenv.podrunner.podspec import ConfigError, PathMap, expand, identity
 
 PRIVATE: Final = 0o700
 
@@ -25,10 +25,7 @@ class PodSources:
     def __init__(self, api: k8s.ApiClient, pod: dict[str, Any], pod_dir: Path) -> None:
         self._api = api
         self.pod = pod
-        meta = pod["metadata"]
-        self.namespace: str = meta["namespace"]
-        self.name: str = meta["name"]
-        self.uid: str = meta["uid"]
+        self.namespace, self.name, self.uid = identity(pod)
         self.dir = pod_dir
         self.volumes: dict[str, Path] = {}
 
@@ -102,26 +99,30 @@ class PodSources:
         return None if data is None else {k: v.decode() for k, v in data.items()}
 
     def _secret_bytes(self, name: str, *, optional: bool) -> dict[str, bytes] | None:
-        try:
-            secret = k8s.CoreV1Api(self._api).read_namespaced_secret(name, self.namespace)
-        except ApiException as error:
-            if error.status == 404:
-                if optional:
-                    return None
-                raise ConfigError(f'secret "{name}" not found') from None
-            raise
+        read = k8s.CoreV1Api(self._api).read_namespaced_secret
+        secret = self._read("secret", name, read, optional=optional)
+        if secret is None:
+            return None
         return {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
 
     def _config_map(self, name: str, *, optional: bool) -> dict[str, str] | None:
+        read = k8s.CoreV1Api(self._api).read_namespaced_config_map
+        config_map = self._read("configmap", name, read, optional=optional)
+        return None if config_map is None else dict(config_map.data or {})
+
+    def _read(
+        self, kind: str, name: str, read: Callable[[str, str], Any], *, optional: bool
+    ) -> Any:
+        """An object of the pod's namespace; a missing one is None where the pod marks it
+        optional, else the kubelet's error."""
         try:
-            config_map = k8s.CoreV1Api(self._api).read_namespaced_config_map(name, self.namespace)
+            return read(name, self.namespace)
         except ApiException as error:
-            if error.status == 404:
-                if optional:
-                    return None
-                raise ConfigError(f'configmap "{name}" not found') from None
-            raise
-        return dict(config_map.data or {})
+            if error.status != 404:
+                raise
+        if optional:
+            return None
+        raise ConfigError(f'{kind} "{name}" not found')
 
     def mount_volumes(self) -> None:
         """Every volume of the pod as a local directory (or the host path itself)."""
