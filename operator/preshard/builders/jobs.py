@@ -18,13 +18,10 @@ from preshard.builders.identity import normalise_engine_args
 from preshard.builders.pods import (
     ENCRYPTION_KEYFILE,
     SCRATCH_DIR,
-    ca_bundle_mount,
-    ca_bundle_volume,
-    encryption_mount,
-    encryption_volume,
-    log_args,
-    s3_args,
+    file_mounts,
+    file_volumes,
     s3_env,
+    tool_args,
 )
 from preshard.builders.shardset import (
     ANNOTATION_TP,
@@ -229,15 +226,14 @@ def build_verify_job(job: JobInput) -> Manifest:
         "--artifact-key",
         job.shard_set.artifact_key,
         *(["--deep"] if spec.verification.deep else []),
-        *s3_args(spec.storage),
-        *log_args(job.settings),
+        *tool_args(spec.storage, job.settings),
     ]
     return _tools_job(job, VERIFY, args, backoff_limit=0, deadline=VERIFY_DEADLINE_SECONDS)
 
 
 def build_delete_job(job: JobInput) -> Manifest:
     """The CPU Job that removes one shard set (manifest first)."""
-    args = [DELETE, job.shard_set.uri, *s3_args(job.spec.storage), *log_args(job.settings)]
+    args = [DELETE, job.shard_set.uri, *tool_args(job.spec.storage, job.settings)]
     return _tools_job(
         job, DELETE, args, backoff_limit=DELETE_BACKOFF_LIMIT, deadline=VERIFY_DEADLINE_SECONDS
     )
@@ -265,11 +261,10 @@ def _tools_job(
     env = s3_env(spec.storage)
     if env:
         container["env"] = env
-    volumes: list[Manifest] = []
-    if spec.storage.ca_bundle is not None:
-        container["volumeMounts"] = [ca_bundle_mount()]
-        volumes.append(ca_bundle_volume(spec.storage.ca_bundle))
-    pod_spec = _cpu_pod_spec(spec, container, volumes)
+    mounts = file_mounts(spec, encryption_key=False)
+    if mounts:
+        container["volumeMounts"] = mounts
+    pod_spec = _cpu_pod_spec(spec, container, file_volumes(spec, encryption_key=False))
     return _job(job, kind, pod_spec, backoff_limit=backoff_limit, deadline=deadline)
 
 
@@ -349,8 +344,7 @@ def _writer_args(job: JobInput, scratch_size: str) -> list[str]:
         # An emptyDir's free space reads as the node's disk; the sizeLimit is the real bound.
         *([] if spec.serialization.scratch_volume else ["--scratch-size-limit", scratch_size]),
         *(["--encryption-keyfile", ENCRYPTION_KEYFILE] if spec.encryption else []),
-        *s3_args(spec.storage),
-        *log_args(job.settings),
+        *tool_args(spec.storage, job.settings),
     ]
 
 
@@ -372,14 +366,14 @@ def _scratch_volumes(
     volume: a claim of that size the ephemeral volume controller makes for the pod (and deletes
     with it), so the pod waits for a volume instead of filling the node's disk.
     """
-    mounts: list[Manifest] = [{"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR}]
-    volumes: list[Manifest] = [{"name": SCRATCH_VOLUME, **_scratch_source(spec, scratch_size)}]
-    if spec.encryption is not None:
-        mounts.append(encryption_mount())
-        volumes.append(encryption_volume(spec.encryption))
-    if spec.storage.ca_bundle is not None:
-        mounts.append(ca_bundle_mount())
-        volumes.append(ca_bundle_volume(spec.storage.ca_bundle))
+    mounts = [
+        {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR},
+        *file_mounts(spec, encryption_key=True),
+    ]
+    volumes = [
+        {"name": SCRATCH_VOLUME, **_scratch_source(spec, scratch_size)},
+        *file_volumes(spec, encryption_key=True),
+    ]
     return mounts, volumes
 
 

@@ -37,14 +37,11 @@ from preshard.builders.pods import (
     CA_BUNDLE_VOLUME,
     ENCRYPTION_KEYFILE,
     ENCRYPTION_VOLUME,
-    ca_bundle_mount,
-    ca_bundle_volume,
-    encryption_mount,
-    encryption_volume,
-    log_args,
-    s3_args,
+    file_mounts,
+    file_volumes,
     s3_endpoint_url,
     s3_env,
+    tool_args,
 )
 from preshard.builders.shardset import ANNOTATION_TP, BuildInput
 from preshard.builders.vllm_args import (
@@ -658,10 +655,7 @@ def _apply_container(container: Manifest, target: TargetInput, gpu: str) -> None
     mounts.append(
         {"name": TENSORIZER_VOLUME, "mountPath": target.settings.tensorizer_dir, "readOnly": True}
     )
-    if spec.encryption is not None:
-        mounts.append(encryption_mount())
-    if spec.storage.ca_bundle is not None:
-        mounts.append(ca_bundle_mount())
+    mounts += file_mounts(spec, encryption_key=True)
     container["volumeMounts"] = _in_current_order(
         mounts, container.get("volumeMounts"), lambda m: (m.get("name"), m.get("mountPath"))
     )
@@ -680,14 +674,13 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
             settings.model_dir,
             "--tensorizer-dir",
             settings.tensorizer_dir,
-            *s3_args(spec.storage),
-            *log_args(settings),
+            *tool_args(spec.storage, settings),
         ],
         "resources": INIT_RESOURCES,
         "volumeMounts": [
             {"name": MODEL_VOLUME, "mountPath": settings.model_dir},
             {"name": TENSORIZER_VOLUME, "mountPath": settings.tensorizer_dir},
-            *([ca_bundle_mount()] if spec.storage.ca_bundle is not None else []),
+            *file_mounts(spec, encryption_key=False),
         ],
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -704,10 +697,7 @@ def _apply_pod(pod_spec: Manifest, target: TargetInput) -> None:
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in OWNED_VOLUMES]
     volumes.append({"name": MODEL_VOLUME, "emptyDir": {}})
     volumes.append({"name": TENSORIZER_VOLUME, "emptyDir": {}})
-    if spec.encryption is not None:
-        volumes.append(encryption_volume(spec.encryption))
-    if spec.storage.ca_bundle is not None:
-        volumes.append(ca_bundle_volume(spec.storage.ca_bundle))
+    volumes += file_volumes(spec, encryption_key=True)
     pod_spec["volumes"] = _in_current_order(
         volumes, pod_spec.get("volumes"), lambda v: v.get("name")
     )

@@ -100,46 +100,57 @@ def s3_args(storage: models.Storage) -> list[str]:
     return args
 
 
-def log_args(settings: Settings) -> list[str]:
-    """Data-plane flags that make a command log in the operator's own format.
+def tool_args(storage: models.Storage, settings: Settings) -> list[str]:
+    """The flags every data-plane command gets: the store's and the operator's log format."""
+    return [*s3_args(storage), *_log_args(settings)]
 
-    `--log-format json` when the operator logs JSON; nothing for text, the data plane's default,
-    so the manifests of a text-logging operator are what they were without the setting.
-    """
+
+def file_mounts(spec: models.ShardedModelSpec, *, encryption_key: bool) -> list[Manifest]:
+    """Where a container sees the files it reads from the cluster: the encryption key (asked
+    for with `encryption_key`, when the set is encrypted) and the store's CA bundle (when it
+    has one), each read-only."""
+    mounts: list[Manifest] = []
+    if encryption_key and spec.encryption is not None:
+        mounts.append({"name": ENCRYPTION_VOLUME, "mountPath": ENCRYPTION_DIR, "readOnly": True})
+    if spec.storage.ca_bundle is not None:
+        mounts.append({"name": CA_BUNDLE_VOLUME, "mountPath": CA_BUNDLE_DIR, "readOnly": True})
+    return mounts
+
+
+def file_volumes(spec: models.ShardedModelSpec, *, encryption_key: bool) -> list[Manifest]:
+    """The volumes behind `file_mounts`: the Secret that holds the encryption key, with only the
+    key in it as an owner-read file, and the ConfigMap of the CA bundle, only the bundle."""
+    volumes: list[Manifest] = []
+    if encryption_key and spec.encryption is not None:
+        secret = spec.encryption.secret_ref
+        volumes.append(
+            {
+                "name": ENCRYPTION_VOLUME,
+                "secret": {
+                    "secretName": secret.name,
+                    "items": [{"key": secret.key, "path": ENCRYPTION_FILE}],
+                    "defaultMode": 0o400,
+                },
+            }
+        )
+    ca_bundle = spec.storage.ca_bundle
+    if ca_bundle is not None:
+        volumes.append(
+            {
+                "name": CA_BUNDLE_VOLUME,
+                "configMap": {
+                    "name": ca_bundle.name,
+                    "items": [{"key": ca_bundle.key, "path": CA_BUNDLE_FILE}],
+                },
+            }
+        )
+    return volumes
+
+
+def _log_args(settings: Settings) -> list[str]:
+    # `--log-format json` when the operator logs JSON; nothing for text, the data plane's
+    # default, so the manifests of a text-logging operator are what they were without it.
     return ["--log-format", "json"] if settings.log_format == "json" else []
-
-
-def encryption_volume(encryption: models.Encryption) -> Manifest:
-    """The Secret volume that holds only the encryption key, as a read-only file."""
-    return {
-        "name": ENCRYPTION_VOLUME,
-        "secret": {
-            "secretName": encryption.secret_ref.name,
-            "items": [{"key": encryption.secret_ref.key, "path": ENCRYPTION_FILE}],
-            "defaultMode": 0o400,
-        },
-    }
-
-
-def encryption_mount() -> Manifest:
-    """Where containers see the encryption key file."""
-    return {"name": ENCRYPTION_VOLUME, "mountPath": ENCRYPTION_DIR, "readOnly": True}
-
-
-def ca_bundle_volume(ca_bundle: models.ConfigMapKeyRef) -> Manifest:
-    """The ConfigMap volume that holds only the store's CA bundle, as `CA_BUNDLE_FILE`."""
-    return {
-        "name": CA_BUNDLE_VOLUME,
-        "configMap": {
-            "name": ca_bundle.name,
-            "items": [{"key": ca_bundle.key, "path": CA_BUNDLE_FILE}],
-        },
-    }
-
-
-def ca_bundle_mount() -> Manifest:
-    """Where containers see the CA bundle: read-only, at `CA_BUNDLE_PATH`."""
-    return {"name": CA_BUNDLE_VOLUME, "mountPath": CA_BUNDLE_DIR, "readOnly": True}
 
 
 def _secret_env(name: str, secret: str, key: str) -> Manifest:
