@@ -71,7 +71,7 @@ from kubernetes import client as k8s
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
-from benchmarks import common
+from benchmarks import common, profile
 from preshard.api import models
 from preshard.builders import Manifest, jobs, patching
 from preshard.builders.identity import artifact_key, serializer_vllm_version
@@ -640,6 +640,7 @@ class Options:
     timeout_seconds: float
     workers: int
     kube_api_qps: int
+    profile: bool = False
 
 
 @dataclass
@@ -695,6 +696,7 @@ class Run:
     after_idle: Checkpoint
     seen: Observations
     changes_before_idle: int
+    profile: dict[str, Any] | None = None
 
 
 def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any]:
@@ -747,7 +749,16 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
             startup_s = stopwatch.elapsed
             say(f"N={size}: operator listening and quiet after {startup_s:.1f}s")
             assert operator.process is not None
-            run = drive(cluster, operator.process.pid, metrics_port, audit, size, options, say)
+            run = drive(
+                cluster,
+                operator.process.pid,
+                metrics_port,
+                audit,
+                size,
+                options,
+                say,
+                profile_to=work / "operator.profile" if options.profile else None,
+            )
         finally:
             operator.stop()
         # Watch requests are logged when they end: some only ended with the operator.
@@ -779,11 +790,19 @@ def drive(
     size: int,
     options: Options,
     say: Log,
+    *,
+    profile_to: Path | None = None,
 ) -> Run:
-    """Apply N ShardedModels, wait for Ready and for the operator to settle, then stay idle."""
+    """Apply N ShardedModels, wait for Ready and for the operator to settle, then stay idle.
+
+    With `profile_to`, py-spy samples the operator from apply until it has settled.
+    """
     watcher = Watcher(cluster, NAMESPACE, models_too=True).start()
+    profiling = contextlib.ExitStack()
     try:
         before = Checkpoint.take(cluster, pid, metrics_port)
+        if profile_to is not None:
+            profiling.enter_context(profile.recording(pid, profile_to))
         apply_s = in_parallel(
             cluster,
             size,
@@ -812,11 +831,13 @@ def drive(
             since=before.at,
         )
         after_converge = Checkpoint.take(cluster, pid, metrics_port)
+        profiling.close()
         changes_before_idle = watcher.count(lambda seen: len(seen.changes))
         say(f"N={size}: settled; idle for {options.idle_seconds:.0f}s")
         time.sleep(options.idle_seconds)
         after_idle = Checkpoint.take(cluster, pid, metrics_port)
     finally:
+        profiling.close()
         watcher.stop()
     return Run(
         size=size,
@@ -828,6 +849,11 @@ def drive(
         after_idle=after_idle,
         seen=watcher.snapshot(),
         changes_before_idle=changes_before_idle,
+        profile=(
+            profile.summarise(profile_to.read_text().splitlines())
+            if profile_to is not None
+            else None
+        ),
     )
 
 
@@ -1018,6 +1044,7 @@ def summarize(
         "jobs_complete_s": seconds_after(start, seen.job_done.values()),
         "ready_s": seconds_after(start, seen.ready_at.values()),
         "all_ready_s": _round(all_ready),
+        "operator_profile": run.profile,
         "settled_s": _round(run.settled_at - start if run.settled_at is not None else None),
         "baseline": baseline,
         "ready_over_baseline": _round(common.ratio(all_ready, baseline["all_complete_s"])),
@@ -1186,6 +1213,15 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
     _breakdown(
         "Operator requests while idle (total)", results, lambda r: r["idle"]["operator_requests"]
     )
+    _breakdown(
+        "The operator's CPU in Python by whose code ran, apply to settled (py-spy, seconds)",
+        results,
+        lambda r: {
+            name: owner["seconds"]
+            for name, owner in (r["operator_profile"] or {}).get("by_owner", {}).items()
+        },
+        column="owner",
+    )
     common.print_table(
         "Targets",
         ["N", "target", "limit", "measured", "met"],
@@ -1201,12 +1237,14 @@ def _breakdown(
     title: str,
     results: Sequence[dict[str, Any]],
     table: Callable[[dict[str, Any]], dict[str, float]],
+    *,
+    column: str = "request",
 ) -> None:
     keys = sorted({key for r in results for key in table(r)})
     if keys:
         common.print_table(
             title,
-            ["request", *(f"N={r['size']}" for r in results)],
+            [column, *(f"N={r['size']}" for r in results)],
             [[key, *(table(r).get(key) for r in results)] for key in keys],
         )
 
@@ -1263,6 +1301,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--keep", action="store_true", help="keep the clusters' logs and the audit logs"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="sample the operator with py-spy from apply until it settles, and sum the samples "
+        "by whose code ran (benchmarks/profile.py); its other figures then include py-spy's cost",
+    )
     return parser.parse_args(argv)
 
 
@@ -1276,7 +1320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_seconds=args.timeout_seconds,
         workers=args.workers,
         kube_api_qps=args.kube_api_qps,
+        profile=args.profile,
     )
+    if options.profile:
+        profile.py_spy()
     work_dir = Path(tempfile.mkdtemp(prefix="preshard-bench-controller-"))
     results = []
     try:
@@ -1297,6 +1344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "quiet_seconds": options.quiet_seconds,
                 "workers": options.workers,
                 "kube_api_qps": options.kube_api_qps,
+                "profile": options.profile,
                 "replicas": REPLICAS,
                 "tensor_parallel_size": TENSOR_PARALLEL_SIZE,
             },
