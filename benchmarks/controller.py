@@ -1214,7 +1214,7 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
         "Operator requests while idle (total)", results, lambda r: r["idle"]["operator_requests"]
     )
     _breakdown(
-        "The operator's CPU in Python by whose code ran, apply to settled (py-spy, seconds)",
+        "The operator by whose code ran, apply to settled (py-spy: seconds the GIL was held)",
         results,
         lambda r: {
             name: owner["seconds"]

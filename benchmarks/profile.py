@@ -14,11 +14,11 @@ sampled, and the operator is never paused), then sums the samples by owner:
 - **event loop, sockets, threads**: the rest: asyncio's scheduling, TLS reads and writes,
   hand-offs between the loop and the threads.
 
-A sample is time the process held the GIL, so `seconds` (samples over the rate) is its CPU time
-spent in Python, a little less than the process's CPU time (TLS and socket work in C without
-the GIL is not in it). py-spy is not a dependency: install it (`pip install py-spy`) or name it
-in `PRESHARD_PY_SPY`. Its sampling takes a few percent of a core, so a profiled run's other
-figures are not compared with unprofiled runs.
+A sample is a moment the operator held the GIL. On a machine whose cores are all busy that
+includes moments its thread waited for a core, so `seconds` (samples over the rate) is wall
+time, not CPU time, and the shares are the figures to read. py-spy is not a dependency: install
+it (`pip install py-spy`) or name it in `PRESHARD_PY_SPY`. Its sampling takes a few percent of a
+core, so a profiled run's other figures are not compared with unprofiled runs.
 """
 
 from __future__ import annotations

@@ -568,6 +568,29 @@ def controller_floors(table: Table) -> None:
     controller_columns(table, CONTROLLER_FLOOR_COLUMNS)
 
 
+def controller_profile(table: Table) -> None:
+    """The operator's CPU in Python by whose code ran (`operator_profile`): each owner's
+    seconds and share of the samples, and all of them, in every profiled run."""
+    owners = table.header[2:-1]
+    for run in table.runs:
+        for size in controller_sizes(table, run).values():
+            recorded = list(size["operator_profile"]["by_owner"])
+            assert list(owners) == recorded, f"{table}: the owners are {recorded}"
+
+    def owner_figures(owner: str) -> Callable[[dict[str, Any]], list[float]]:
+        def figures(size: dict[str, Any]) -> list[float]:
+            held = size["operator_profile"]["by_owner"][owner]
+            return [held["seconds"], 100 * held["share"]]
+
+        return figures
+
+    columns: dict[str, Callable[[dict[str, Any]], list[float]]] = {
+        owner: owner_figures(owner) for owner in owners
+    }
+    columns["all"] = lambda size: [size["operator_profile"]["seconds"]]
+    controller_columns(table, columns)
+
+
 def target_column(header: str) -> tuple[int, list[int]]:
     """`N=1000 (run 6; runs 1 to 5)`: the N and the runs, in the order of the cells."""
     match = re.fullmatch(r"N=(\d+) \((.*)\)", header)
@@ -621,6 +644,8 @@ EXPECTED: Final[dict[str, tuple[Callable[[Table], None], ...]]] = {
         controller_requests,
         controller_targets,
         controller_floors,
+        controller_floors,
+        controller_profile,
     ),
 }
 CASES: Final = [
