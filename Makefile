@@ -17,7 +17,7 @@ UV_LOCK := $(BIN)/uv pip compile --quiet --python-version 3.11 \
 
 .DEFAULT_GOAL := help
 .PHONY: help install lint format crds test test-fast run dev-cluster dev-cluster-down \
-        dev-cluster-status bench bench-serialize bench-load bench-controller bench-gpu lock clean \
+        dev-cluster-status bench bench-serialize bench-load bench-engine bench-controller bench-gpu lock clean \
         engine-env test-no-engine run-fast test-gpu
 
 help: ## List the targets.
@@ -98,9 +98,10 @@ dev-cluster-down: $(STAMP) ## Stop what `make dev-cluster` started.
 dev-cluster-status: $(STAMP) ## Show what `make dev-cluster` runs.
 	$(DEVENV) status
 
-bench: $(STAMP) ## Every CPU benchmark (minutes); results in benchmarks/results/.
+bench: $(STAMP) $(ENGINE_STAMP) ## Every CPU benchmark (minutes); results in benchmarks/results/.
 	$(BIN)/python -m benchmarks.serialize
 	$(BIN)/python -m benchmarks.load
+	$(BIN)/python -m benchmarks.engine
 	$(BIN)/python -m benchmarks.controller
 
 bench-serialize: $(STAMP) ## Making shards: preshard vs boto3 vs tensorizer vs the server's limit.
@@ -108,6 +109,9 @@ bench-serialize: $(STAMP) ## Making shards: preshard vs boto3 vs tensorizer vs t
 
 bench-load: $(STAMP) ## Loading shards: tensorizer num_readers vs a raw download.
 	$(BIN)/python -m benchmarks.load
+
+bench-engine: $(STAMP) $(ENGINE_STAMP) ## Starting a model through real vLLM: stock vs patched, to the first completion.
+	$(BIN)/python -m benchmarks.engine
 
 bench-controller: $(STAMP) ## The controller at scale on the local control plane.
 	$(BIN)/python -m benchmarks.controller
