@@ -40,6 +40,15 @@ GB: Final = 1000**3
 Cell = str | int | float | None
 
 
+class BenchmarkError(RuntimeError):
+    """A measurement did not do what it was timed for: it read too little, a command failed."""
+
+
+def say(message: str) -> None:
+    """A progress line on stderr, with the time."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def utc_now() -> str:
     """The current time in UTC, ISO 8601 with seconds."""
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

@@ -126,10 +126,6 @@ Log = Callable[[str], None]
 RequestKey = tuple[str, str]
 
 
-def _say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def resource_name(resource: str, group: str, subresource: str) -> str:
     """A resource as kubectl names it (`jobs.batch`, `shardedmodels.preshard.dev/status`)."""
     name = f"{resource}.{group}" if group else resource
@@ -1328,10 +1324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     try:
         for size in args.sizes:
-            results.append(run_size(size, options, work_dir / f"n{size}", _say))
+            results.append(run_size(size, options, work_dir / f"n{size}", common.say))
     finally:
         if args.keep:
-            _say(f"logs kept in {work_dir}")
+            common.say(f"logs kept in {work_dir}")
         else:
             shutil.rmtree(work_dir, ignore_errors=True)
     print_report(results)

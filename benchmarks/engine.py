@@ -45,7 +45,6 @@ import re
 import secrets
 import shutil
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -99,14 +98,6 @@ FIGURE_NAMES: Final = {
     "pod_s": "pod to first completion",
     "weights_s": "vLLM weight load",
 }
-
-
-def _say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-class BenchmarkError(RuntimeError):
-    """A start did not end in the completion it was timed for."""
 
 
 @dataclass(frozen=True)
@@ -297,7 +288,7 @@ class Bench:
 def store_env(store: common.S3Store) -> dict[str, str]:
     """What a pod needs to reach the store: its endpoint and credentials, nothing else."""
     if store.server is None:
-        raise BenchmarkError("the engine benchmark runs its own S3 server")
+        raise common.BenchmarkError("the engine benchmark runs its own S3 server")
     return store.server.env()
 
 
@@ -323,11 +314,11 @@ def run_rounds(bench: Bench, shard_set: ShardSet, repeats: int) -> list[dict[str
         order = STARTS[round_ % len(STARTS) :] + STARTS[: round_ % len(STARTS)]
         starts: dict[str, Start] = {}
         for kind in order:
-            _say(f"round {round_ + 1}/{repeats}: {kind}")
+            common.say(f"round {round_ + 1}/{repeats}: {kind}")
             starts[kind] = bench.start(kind, shard_set, round_)
         answers = {kind: start.token_ids for kind, start in starts.items()}
         if len(set(answers.values())) != 1:
-            raise BenchmarkError(f"the servers answered differently: {answers}")
+            raise common.BenchmarkError(f"the servers answered differently: {answers}")
         for kind, start in starts.items():
             row = {"round": round_, "start": kind, **asdict(start), "pod_s": start.pod_s}
             row.pop("token_ids")
@@ -433,13 +424,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine.engine_bin()
     model = work / "model"
     model_bytes = make_model(model, args)
-    _say(f"wrote a {model_bytes / common.GB:.2f} GB model")
+    common.say(f"wrote a {model_bytes / common.GB:.2f} GB model")
     with common.s3_store(None, None) as store:
         key = f"bench-engine-{secrets.token_hex(4)}"
         try:
             model_uri = upload_directory(store.client(), model, store.bucket, f"{key}/model")
             bench = Bench(store, work, model, model_uri, args.tensor_parallel_size)
-            _say(f"serializing at TP {bench.tp} with vLLM")
+            common.say(f"serializing at TP {bench.tp} with vLLM")
             shard_set = bench.serialize(key)
             rows = run_rounds(bench, shard_set, args.repeats)
         finally:

@@ -45,7 +45,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,14 +70,6 @@ DOWNLOAD_CONNECTIONS: Final = 16
 DEFAULT_PREFETCH_READERS: Final = 8
 
 RAW: Final = "raw download"
-
-
-def _say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-class BenchmarkError(RuntimeError):
-    """A load did not read what it was timed for."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +115,7 @@ def curl_ranges(url: str, size: int, streams: int) -> float:
             received += int(float(output or 0))
     seconds = watch.elapsed
     if failed or received != size:
-        raise BenchmarkError(
+        raise common.BenchmarkError(
             f"curl fetched {received} of {size} bytes (exit codes of failures: {failed})"
         )
     return seconds
@@ -149,7 +140,7 @@ def tensorizer_load(uri: str, readers: int, tensor_bytes: int) -> float:
         loaded = int(deserializer.total_tensor_bytes)
     seconds = watch.elapsed
     if loaded != tensor_bytes:
-        raise BenchmarkError(f"tensorizer loaded {loaded} of {tensor_bytes} tensor bytes")
+        raise common.BenchmarkError(f"tensorizer loaded {loaded} of {tensor_bytes} tensor bytes")
     return seconds
 
 
@@ -167,7 +158,7 @@ def tensorizer_local(path: Path, readers: int, tensor_bytes: int) -> float:
         loaded = int(deserializer.total_tensor_bytes)
     seconds = watch.elapsed
     if loaded != tensor_bytes:
-        raise BenchmarkError(f"tensorizer loaded {loaded} of {tensor_bytes} tensor bytes")
+        raise common.BenchmarkError(f"tensorizer loaded {loaded} of {tensor_bytes} tensor bytes")
     return seconds
 
 
@@ -191,7 +182,7 @@ class Downloads:
         if not keep:
             self.target.unlink()
         if size != self.shard.object_bytes:
-            raise BenchmarkError(f"downloaded {size} of {self.shard.object_bytes} bytes")
+            raise common.BenchmarkError(f"downloaded {size} of {self.shard.object_bytes} bytes")
         return seconds
 
     def preshard(self, *, keep: bool = False) -> float:
@@ -256,7 +247,7 @@ def safetensors_load(path: Path, tensor_bytes: int, *, cold: bool) -> float:
     seconds = watch.elapsed
     loaded = sum(t.numel() * t.element_size() for t in copies.values())
     if loaded != tensor_bytes:
-        raise BenchmarkError(f"safetensors loaded {loaded} of {tensor_bytes} tensor bytes")
+        raise common.BenchmarkError(f"safetensors loaded {loaded} of {tensor_bytes} tensor bytes")
     return seconds
 
 
@@ -359,7 +350,7 @@ def run_rounds(plan: Sequence[Load], repeats: int, tensor_bytes: int) -> list[di
         for load in plan:
             seconds = load.run()
             rate = tensor_bytes / seconds / common.GB
-            _say(f"round {number}: {load.name}: {seconds:.2f}s, {rate:.2f} GB/s")
+            common.say(f"round {number}: {load.name}: {seconds:.2f}s, {rate:.2f} GB/s")
             rows.append(
                 {
                     "round": number,
@@ -515,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = f"{args.prefix.strip('/')}/{secrets.token_hex(4)}"
         memory = args.prefetch_dir / f"preshard-bench-load-{secrets.token_hex(4)}"
         try:
-            _say(f"writing and uploading a {args.size_gb:g} GB rank file")
+            common.say(f"writing and uploading a {args.size_gb:g} GB rank file")
             shard = make_shard(store, scratch, int(args.size_gb * common.GB), prefix)
             downloads = Downloads(shard, store, memory)
             plan = loads(shard, args.readers, downloads, args.prefetch_readers)

@@ -57,14 +57,6 @@ PRESHARD: Final = Path(sys.executable).with_name("preshard")
 _RESHARD_LINE: Final = re.compile(r"resharded \d+ tensors from TP \d+ to TP \d+ .* in ([\d.]+)s")
 
 
-def _say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-class BenchmarkError(RuntimeError):
-    """A command did not do what it was timed for."""
-
-
 @dataclass(frozen=True)
 class Run:
     """One timed process."""
@@ -101,7 +93,7 @@ def run_process(argv: Sequence[str], log: Path, env: dict[str, str] | None = Non
     text = log.read_text()
     outcome = Outcome.from_message(termination.read_text()) if termination.exists() else None
     if process.returncode != 0:
-        raise BenchmarkError(f"{argv[:2]} failed ({process.returncode}): {text[-2000:]}")
+        raise common.BenchmarkError(f"{argv[:2]} failed ({process.returncode}): {text[-2000:]}")
     return Run(seconds, peak, outcome, text)
 
 
@@ -205,14 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     scratch: Path = args.scratch
     shutil.rmtree(scratch, ignore_errors=True)
     shape = plan_model(int(args.size_gb * common.GB))
-    _say(f"writing a {shape.total_bytes() / common.GB:.2f} GB model ({shape})")
+    common.say(f"writing a {shape.total_bytes() / common.GB:.2f} GB model ({shape})")
     model = make_model(scratch / "model", shape)
     config = json.loads((model.path / "config.json").read_text())
     sizes = sorted({tp for pair in args.pairs for tp in pair})
     sets: dict[int, list[Path]] = {}
     checkpoint = load_checkpoint(model.path)
     for tp in sizes:
-        _say(f"writing the TP {tp} set in vLLM's layout")
+        common.say(f"writing the TP {tp} set in vLLM's layout")
         sets[tp] = write_vllm_set(checkpoint, config, scratch / f"tp{tp}", tp=tp)
         shutil.copy(model.path / "config.json", scratch / f"tp{tp}" / "config.json")
     del checkpoint
@@ -235,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ],
                 scratch / "baseline.log",
             )
-            _say(
+            common.say(
                 f"baseline (imports only): peak RSS {baseline.peak_rss_bytes / common.MIB:.0f} MiB"
             )
             for number in range(1, args.repeats + 1):
@@ -279,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path=args.output,
         started=started,
     )
-    _say(f"wrote {path}")
+    common.say(f"wrote {path}")
     return 0
 
 
@@ -295,7 +287,7 @@ def reshard_round(
     """One `preshard reshard` of the TP N set to TP M."""
     name = f"r{number}-{source_tp}to{target_tp}"
     work = scratch / name
-    _say(f"reshard TP {source_tp} -> {target_tp} (round {number})")
+    common.say(f"reshard TP {source_tp} -> {target_tp} (round {number})")
     run = run_process(
         [
             str(PRESHARD),
@@ -322,14 +314,14 @@ def reshard_round(
         "peak_rss_bytes": run.peak_rss_bytes,
         "total_bytes": run.outcome.total_bytes if run.outcome else None,
     }
-    _say(f"  {row}")
+    common.say(f"  {row}")
     return row
 
 
 def local_round(scratch: Path, source_tp: int, target_tp: int, number: int) -> dict[str, Any]:
     """The reshard alone, on local files, in a process of its own."""
     name = f"l{number}-{source_tp}to{target_tp}"
-    _say(f"local reshard TP {source_tp} -> {target_tp} (round {number})")
+    common.say(f"local reshard TP {source_tp} -> {target_tp} (round {number})")
     run = run_process(
         [
             sys.executable,
@@ -356,7 +348,7 @@ def local_round(scratch: Path, source_tp: int, target_tp: int, number: int) -> d
         "peak_rss_after_imports_bytes": report["peak_before"],
         "total_bytes": None,
     }
-    _say(f"  {row}")
+    common.say(f"  {row}")
     return row
 
 
@@ -366,7 +358,7 @@ def serialize_round(
     """One `preshard serialize` at TP M with the CPU test engine."""
     name = f"s{number}-tp{target_tp}"
     work = scratch / name
-    _say(f"serialize TP {target_tp} (round {number})")
+    common.say(f"serialize TP {target_tp} (round {number})")
     bucket = model_uri.split("/")[2]
     run = run_process(
         [
@@ -399,7 +391,7 @@ def serialize_round(
         "peak_rss_bytes": run.peak_rss_bytes,
         "total_bytes": run.outcome.total_bytes if run.outcome else None,
     }
-    _say(f"  {row}")
+    common.say(f"  {row}")
     return row
 
 

@@ -97,14 +97,6 @@ LABELS: Final = {
 }
 
 
-def _say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-class BenchmarkError(RuntimeError):
-    """A method did not do what it was timed for."""
-
-
 # The model ------------------------------------------------------------------------------------
 
 
@@ -276,7 +268,7 @@ def run_preshard(
     outcome = Outcome.from_message(termination_log.read_text())
     if code != 0 or outcome is None or not outcome.ok:
         detail = f"{outcome.reason}: {outcome.message}" if outcome else f"exit code {code}"
-        raise BenchmarkError(f"preshard serialize failed ({detail})")
+        raise common.BenchmarkError(f"preshard serialize failed ({detail})")
     engine = json.loads(times.read_text())
     return Timing(
         prepare_s=engine["started"] - started,
@@ -367,7 +359,9 @@ def run_tensorizer(model_dir: Path, tensor_parallel_size: int, uri_template: str
             del shard
         total = watch.elapsed
     if len(uploads) != tensor_parallel_size:
-        raise BenchmarkError(f"tensorizer uploaded {len(uploads)} of {tensor_parallel_size} files")
+        raise common.BenchmarkError(
+            f"tensorizer uploaded {len(uploads)} of {tensor_parallel_size} files"
+        )
     upload_s = sum(wall for wall, _ in uploads)
     return Timing(
         engine_s=total - upload_s, upload_s=upload_s, client_cpu_s=sum(cpu for _, cpu in uploads)
@@ -553,7 +547,7 @@ class Round:
         cpu = (
             f", CPU s: {_rounded(timing.client_cpu_s)} here, {_rounded(timing.server_cpu_s)} server"
         )
-        _say(
+        common.say(
             f"TP {self.tensor_parallel_size} round {self.number}: {label}: {engine}"
             f"upload {timing.upload_s:.1f}s ({uploaded / timing.upload_s / 1e6:.0f} MB/s){cpu}"
         )
@@ -917,7 +911,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = common.utc_now()
     scratch: Path = args.scratch
     shape = plan_model(int(args.size_gb * common.GB))
-    _say(f"writing a {shape.total_bytes() / common.GB:.2f} GB model ({shape}) to {scratch}")
+    common.say(f"writing a {shape.total_bytes() / common.GB:.2f} GB model ({shape}) to {scratch}")
     model = make_model(scratch / "source", shape)
     size = model_bytes(model)
     rows: list[dict[str, Any]] = []
