@@ -43,6 +43,7 @@ SECTIONS: Final = {
     "Making shards": "serialize",
     "Changing the TP size": "reshard",
     "Loading shards": "load",
+    "Starting a model": "engine",
     "The controller at scale": "controller",
 }
 # Subsections whose every table must name its result file.
@@ -414,6 +415,48 @@ def load_loads(table: Table) -> None:
     check.done(set(entries))
 
 
+# Starting a model: benchmarks/engine.py -------------------------------------------------------
+
+ENGINE_FIGURES: Final = {
+    "init container": "init_s",
+    "/health": "health_s",
+    "first completion": "first_completion_s",
+    "pod to first completion": "pod_s",
+    "vLLM weight load": "weights_s",
+}
+ENGINE_RATIOS: Final = {
+    "raw download of the rank files, s": "raw_download_s",
+    "to the first completion: patched / stock, local disk": "patched_pod_over_local_disk",
+    "to the first completion: patched / stock, S3 download": "patched_pod_over_s3_download",
+    "patched weight load speed / raw download": "patched_load_speed_over_raw_download",
+}
+
+
+def engine_starts(table: Table) -> None:
+    """Medians of each start's figures (`results.starts`); `-` where a start has none."""
+    check = Check(table, ["start", *ENGINE_FIGURES])
+    starts = results(table.source)["starts"]
+    for row in check.rows():
+        if not check.row(row["start"], row["start"] in starts):
+            continue
+        start = starts[row["start"]]
+        for column, key in ENGINE_FIGURES.items():
+            medians = [start[key]["median"]] if key in start else []
+            check.figures(f"{row['start']}, {column}", row[column], medians)
+    check.done(set(starts))
+
+
+def engine_ratios(table: Table) -> None:
+    """The raw download and the two ratios, median (smallest-largest), paired within rounds."""
+    check = Check(table, ["figure", "median (range)"])
+    found = results(table.source)
+    for row in check.rows():
+        key = ENGINE_RATIOS.get(row["figure"])
+        if check.row(row["figure"], key is not None) and key is not None:
+            check.figures(row["figure"], row["median (range)"], spread(found[key]))
+    check.done(ENGINE_RATIOS)
+
+
 # The controller at scale: benchmarks/controller.py ----------------------------------------------
 
 CONTROLLER_RUN_COLUMNS: Final[dict[str, Callable[[dict[str, Any]], float]]] = {
@@ -639,6 +682,7 @@ EXPECTED: Final[dict[str, tuple[Callable[[Table], None], ...]]] = {
     "Making shards": (serialize_methods, serialize_ratios, serialize_targets),
     "Changing the TP size": (reshard_pairs, reshard_pairs),
     "Loading shards": (load_loads, load_loads),
+    "Starting a model": (engine_starts, engine_ratios, engine_starts, engine_ratios),
     "The controller at scale": (
         controller_runs,
         controller_requests,
