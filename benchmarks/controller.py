@@ -27,6 +27,9 @@ kube-scheduler and kwok fake nodes):
    ShardedModel's Ready stands for (the Jobs, and the Deployment controller's rollouts), and
    `Ready / baseline with targets` the operator's own cost over it: its CPU, and the API
    server's for its watches and its other writes (status, events, finalizers).
+7. Apply alone: with the operator still stopped, the same clients apply the same N
+   ShardedModels into a namespace of their own. Its time is the apply's floor on this machine:
+   the API server and the clients without the operator's CPU beside them.
 
 Why `replicas: 0`: the operator never touches replicas, and a running vLLM pod per model would
 measure the scheduler and kwok (1000 pods asking for GPUs the fake nodes would need to hold)
@@ -92,6 +95,8 @@ OPERATOR_USER: Final = "admin"
 NAMESPACE: Final = "models"
 BASELINE_NAMESPACE: Final = "baseline"
 TARGETS_NAMESPACE: Final = "baseline-targets"
+# The ShardedModels applied again with the operator stopped: the apply's own floor.
+APPLY_NAMESPACE: Final = "apply-alone"
 TENSOR_PARALLEL_SIZE: Final = 2
 REPLICAS: Final = 0
 WATCH_SECONDS: Final = 5
@@ -713,6 +718,7 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
             create_namespace(admin, NAMESPACE)
             create_namespace(admin, BASELINE_NAMESPACE)
             create_namespace(admin, TARGETS_NAMESPACE)
+            create_namespace(admin, APPLY_NAMESPACE)
         deployments_s = in_parallel(
             cluster,
             size,
@@ -763,6 +769,15 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
         baseline = run_baseline(cluster, size, options, say, targets=False)
         say(f"N={size}: baseline with targets: the same Jobs, each followed by its patch")
         targets_baseline = run_baseline(cluster, size, options, say, targets=True)
+        apply_alone_s = in_parallel(
+            cluster,
+            size,
+            lambda api, i: workloads.create_sharded_model(
+                api, APPLY_NAMESPACE, model_name(i), model_spec(i)
+            ),
+            options.workers,
+        )
+        say(f"N={size}: {size} ShardedModels applied without the operator in {apply_alone_s:.1f}s")
     finally:
         cluster.stop()
     result = summarize(run, audit, baseline, targets_baseline, operator.log())
@@ -775,6 +790,7 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
         "operator_startup_s": round(startup_s, 2),
         "operator_startup_requests": table_of(count_requests(audit.window(0, run.before.at))),
         **result,
+        "apply_alone_s": round(apply_alone_s, 2),
     }
 
 
@@ -1153,10 +1169,12 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
     common.print_table(
         "The controller at scale: seconds from the start of apply; baseline: the same verify "
         "Jobs created without the operator; baseline+targets: those Jobs and, as each "
-        "completes, the operator's patch of its Deployment, until every rollout is done",
+        "completes, the operator's patch of its Deployment, until every rollout is done; "
+        "apply alone: the same ShardedModels applied with the operator stopped",
         [
             "N",
             "apply",
+            "apply alone",
             "Jobs created",
             "Jobs done",
             "all Ready",
@@ -1177,6 +1195,7 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
             [
                 r["size"],
                 r["apply_s"],
+                r["apply_alone_s"],
                 r["jobs_created_s"]["max"],
                 r["jobs_complete_s"]["max"],
                 r["all_ready_s"],

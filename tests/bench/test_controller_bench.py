@@ -69,6 +69,8 @@ def test_a_smoke_run_measures_every_figure(tmp_path: Path) -> None:
     assert with_targets["all_complete_s"] == with_targets["rollouts_complete_s"]["max"]
     assert with_targets["all_complete_s"] > with_targets["jobs_complete_s"]["max"] > 0
     assert result["ready_over_baseline_with_targets"] > 0
+    # The apply's own floor: the same ShardedModels with the operator stopped.
+    assert result["apply_alone_s"] > 0
     assert result["operator"]["peak_rss_mib"] > 0
     assert result["operator"]["reconcile_passes_per_shardedmodel"] >= 1
     requests = result["requests"]
