@@ -611,6 +611,20 @@ def controller_floors(table: Table) -> None:
     controller_columns(table, CONTROLLER_FLOOR_COLUMNS)
 
 
+CONTROLLER_APPLY_COLUMNS: Final[dict[str, Callable[[dict[str, Any]], float]]] = {
+    "apply": lambda size: size["apply_s"],
+    "apply alone": lambda size: size["apply_alone_s"],
+    "peak RSS MiB": lambda size: size["operator"]["peak_rss_mib"],
+    "Ready/baseline": lambda size: size["ready_over_baseline"],
+    "Ready/with targets": lambda size: size["ready_over_baseline_with_targets"],
+}
+
+
+def controller_apply(table: Table) -> None:
+    """The apply with the operator running and alone (`apply_alone_s`, from run 23 on)."""
+    controller_columns(table, CONTROLLER_APPLY_COLUMNS)
+
+
 def controller_profile(table: Table) -> None:
     """The operator's CPU in Python by whose code ran (`operator_profile`): each owner's
     seconds and share of the samples, and all of them, in every profiled run."""
@@ -690,6 +704,7 @@ EXPECTED: Final[dict[str, tuple[Callable[[Table], None], ...]]] = {
         controller_floors,
         controller_floors,
         controller_profile,
+        controller_apply,
     ),
 }
 CASES: Final = [
