@@ -596,6 +596,16 @@ def in_parallel(
     return stopwatch.elapsed
 
 
+def apply_models(cluster: LocalCluster, namespace: str, size: int, workers: int) -> float:
+    """Create the N ShardedModels in `namespace` from `workers` clients; the seconds it took."""
+    return in_parallel(
+        cluster,
+        size,
+        lambda api, i: workloads.create_sharded_model(api, namespace, model_name(i), model_spec(i)),
+        workers,
+    )
+
+
 def create_namespace(api: k8s.ApiClient, name: str) -> None:
     """Create a namespace."""
     k8s.CoreV1Api(api).create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name)))
@@ -769,14 +779,7 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
         baseline = run_baseline(cluster, size, options, say, targets=False)
         say(f"N={size}: baseline with targets: the same Jobs, each followed by its patch")
         targets_baseline = run_baseline(cluster, size, options, say, targets=True)
-        apply_alone_s = in_parallel(
-            cluster,
-            size,
-            lambda api, i: workloads.create_sharded_model(
-                api, APPLY_NAMESPACE, model_name(i), model_spec(i)
-            ),
-            options.workers,
-        )
+        apply_alone_s = apply_models(cluster, APPLY_NAMESPACE, size, options.workers)
         say(f"N={size}: {size} ShardedModels applied without the operator in {apply_alone_s:.1f}s")
     finally:
         cluster.stop()
@@ -815,14 +818,7 @@ def drive(
         before = Checkpoint.take(cluster, pid, metrics_port)
         if profile_to is not None:
             profiling.enter_context(profile.recording(pid, profile_to))
-        apply_s = in_parallel(
-            cluster,
-            size,
-            lambda api, i: workloads.create_sharded_model(
-                api, NAMESPACE, model_name(i), model_spec(i)
-            ),
-            options.workers,
-        )
+        apply_s = apply_models(cluster, NAMESPACE, size, options.workers)
         say(f"N={size}: applied {size} ShardedModels in {apply_s:.1f}s")
         try:
             procs.wait_for(
