@@ -46,7 +46,7 @@ import secrets
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -211,7 +211,7 @@ class Bench:
         )
         start = self._serve(f"download-{round_}", self._stock_args(pod), self._env())
         shutil.rmtree(pod)
-        return Start(**{**asdict(start), "init_s": init.seconds})
+        return replace(start, init_s=init.seconds)
 
     def _stock_args(self, model: Path) -> list[str]:
         return [str(model), "--served-model-name", SERVED, *engine.VLLM_CPU_ARGS, *self._tp_args()]
@@ -243,7 +243,7 @@ class Bench:
         rewritten = rewrite_vllm_command(["vllm", "serve"], user_args, load)
         env = self._env({**self.s3_env, "PYTHONPATH": str(tensorizer)})
         start = self._serve(f"patched-{round_}", rewritten.args or [], env)
-        return Start(**{**asdict(start), "init_s": init.seconds})
+        return replace(start, init_s=init.seconds)
 
     def raw_download(self, shard_set: ShardSet) -> float:
         """Seconds to fetch every rank file at once, one connection each, nothing kept."""
