@@ -56,7 +56,7 @@ from benchmarks.reshard import run_process
 from benchmarks.serialize import upload_directory
 from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
 from preshard.contract.layout import S3Location, rank_file_name, tensorizer_uri
-from preshard_devenv import engine, procs
+from preshard_devenv import engine
 from preshard_devenv.tinymodel import write_tiny_llama
 
 NAME: Final = "engine"
@@ -256,25 +256,23 @@ class Bench:
         return ["--tensor-parallel-size", str(self.tp)] if self.tp > 1 else []
 
     def _serve(self, name: str, args: Sequence[str], env: dict[str, str]) -> Start:
-        port = procs.free_port()
-        argv = [str(engine.engine_bin() / "vllm"), "serve", *args]
-        argv += ["--port", str(port), "--host", "127.0.0.1"]
         log_dir = self.work / "logs"
         watch = common.Stopwatch()
-        process = procs.start(name, argv, log_dir, env=env, stop_timeout=30)
+        server = engine.VllmServer.launch(
+            engine.engine_bin() / "vllm",
+            args,
+            log_dir,
+            served_model_name=SERVED,
+            env=env,
+            name=name,
+            poll_interval=0.2,
+        )
         try:
-            procs.wait_until(
-                lambda: procs.http_ok(f"http://127.0.0.1:{port}/health"),
-                timeout=engine.HEALTH_TIMEOUT,
-                what=f"{name} to answer /health",
-                process=process,
-                interval=0.2,
-            )
             health = watch.elapsed
-            answer = engine.complete(f"http://127.0.0.1:{port}", SERVED, PROMPT)
+            answer = engine.complete(server.url(""), SERVED, PROMPT)
             first = watch.elapsed
         finally:
-            process.stop()
+            server.stop()
         log = (log_dir / f"{name}.log").read_text(errors="replace")
         loaded = [float(a or b) for a, b in _LOADED.findall(log)]
         return Start(

@@ -37,8 +37,7 @@ if __package__ in (None, ""):
 from preshard.builders.vllm_args import TensorizerLoad, rewrite_vllm_command
 from preshard.contract.layout import RANK_FILE_TEMPLATE, rank_file_name
 from preshard.dataplane.engine import EngineRequest
-from preshard_devenv import procs
-from preshard_devenv.engine import TINY_LLAMA, Completion, complete
+from preshard_devenv.engine import TINY_LLAMA, Completion, VllmServer, complete
 from preshard_devenv.tinymodel import CONFIG_FILES, write_tiny_llama
 
 SERVED: Final = "org/tiny"
@@ -46,30 +45,19 @@ PROMPTS: Final = ((5, 17, 33, 100), (300, 4, 77))
 GPU_ARGS: Final = ("--dtype", "float16", "--max-model-len", "256", "--enforce-eager")
 
 
-def serve(argv: Sequence[str], log_dir: Path, name: str) -> tuple[procs.Process, int, float]:
-    """Start `vllm serve` with argv (after `serve`) and wait for /health; (process, port, s)."""
-    port = procs.free_port()
+def serve(args: Sequence[str], log_dir: Path, name: str) -> tuple[VllmServer, float]:
+    """Start this Python's `vllm serve ARGS` and wait for /health; the server and its seconds."""
     vllm = shutil.which("vllm", path=str(Path(sys.executable).parent)) or "vllm"
     started = time.monotonic()
-    process = procs.start(
-        name,
-        [vllm, "serve", *argv, "--port", str(port), "--host", "127.0.0.1"],
-        log_dir,
-        stop_timeout=30,
+    server = VllmServer.launch(
+        Path(vllm), args, log_dir, served_model_name=SERVED, env=None, name=name, timeout=900
     )
-    procs.wait_until(
-        lambda: procs.http_ok(f"http://127.0.0.1:{port}/health"),
-        timeout=900,
-        what=f"{name} to answer /health",
-        process=process,
-        interval=1.0,
-    )
-    return process, port, time.monotonic() - started
+    return server, time.monotonic() - started
 
 
-def answers(port: int) -> dict[tuple[int, ...], Completion]:
+def answers(server: VllmServer) -> dict[tuple[int, ...], Completion]:
     """Greedy completions of the fixed prompts."""
-    return {p: complete(f"http://127.0.0.1:{port}", SERVED, p) for p in PROMPTS}
+    return {p: complete(server.url(""), SERVED, p) for p in PROMPTS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,13 +78,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_tiny_llama(model, **TINY_LLAMA)
     figures: dict[str, float | int | bool] = {"tensorParallelSize": tp}
 
-    process, port, figures["baselineHealthSeconds"] = serve(
+    server, figures["baselineHealthSeconds"] = serve(
         [str(model), "--served-model-name", SERVED, *GPU_ARGS], work, "vllm-baseline"
     )
     try:
-        expected = answers(port)
+        expected = answers(server)
     finally:
-        process.stop()
+        server.stop()
 
     from preshard.dataplane.vllm_engine import VllmEngine  # noqa: PLC0415 - needs vLLM
 
@@ -122,15 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir=str(config), tensor_parallel_size=tp, tensorizer_uri=uri, num_readers=8
     )
     rewritten = rewrite_vllm_command(["vllm", "serve"], [SERVED, *GPU_ARGS], load)
-    process, port, figures["patchedHealthSeconds"] = serve(
-        rewritten.args or [], work, "vllm-patched"
-    )
+    server, figures["patchedHealthSeconds"] = serve(rewritten.args or [], work, "vllm-patched")
     try:
         started = time.monotonic()
-        got = answers(port)
+        got = answers(server)
         figures["completionSeconds"] = time.monotonic() - started
     finally:
-        process.stop()
+        server.stop()
     figures["identical"] = got == expected
     print(json.dumps(figures, sort_keys=True))
     subprocess.run(["nvidia-smi", "-L"], check=False)

@@ -113,35 +113,53 @@ class VllmServer:
         env: Mapping[str, str] | None = None,
         name: str = "vllm",
     ) -> VllmServer:
-        """Start `vllm serve MODEL` and wait for `/health`."""
-        port = procs.free_port()
-        argv = [
-            str(engine_bin() / "vllm"),
-            "serve",
-            model,
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--served-model-name",
-            served_model_name,
-            *VLLM_CPU_ARGS,
-            *extra_args,
-        ]
+        """Start the engine environment's `vllm serve MODEL` with the CPU flags; wait for
+        `/health`."""
         base = {"PATH": f"{engine_bin()}:/usr/bin:/bin", "HOME": str(log_dir)}
-        process = procs.start(
-            name, argv, log_dir, env={**base, **VLLM_CPU_ENV, **(env or {})}, stop_timeout=20
+        return cls.launch(
+            engine_bin() / "vllm",
+            [model, "--served-model-name", served_model_name, *VLLM_CPU_ARGS, *extra_args],
+            log_dir,
+            served_model_name=served_model_name,
+            env={**base, **VLLM_CPU_ENV, **(env or {})},
+            name=name,
         )
+
+    @classmethod
+    def launch(
+        cls,
+        vllm: Path,
+        args: Sequence[str],
+        log_dir: Path,
+        *,
+        served_model_name: str,
+        env: Mapping[str, str] | None,
+        name: str,
+        port: int | None = None,
+        poll_interval: float = 1.0,
+        timeout: float = HEALTH_TIMEOUT,
+    ) -> VllmServer:
+        """Start `VLLM serve ARGS` as given and wait for `/health`.
+
+        With `port`, the port ARGS name themselves (a pod's own `--port`) and nothing is
+        added; without, a free loopback port and host are appended. So a caller can run a
+        command line exactly as a pod would. `env` None inherits this process's environment.
+        """
+        argv = [str(vllm), "serve", *args]
+        if port is None:
+            port = procs.free_port()
+            argv += ["--port", str(port), "--host", "127.0.0.1"]
+        process = procs.start(name, argv, log_dir, env=env, stop_timeout=30)
         server = cls(process, port, served_model_name)
         try:
             procs.wait_until(
                 lambda: procs.http_ok(server.url("/health")),
-                timeout=HEALTH_TIMEOUT,
-                what=f"vllm serve {model} to answer /health",
+                timeout=timeout,
+                what=f"{name} to answer /health",
                 process=process,
-                interval=1.0,
+                interval=poll_interval,
             )
-        except procs.DevEnvError:
+        except BaseException:
             process.stop()
             raise
         return server

@@ -127,8 +127,8 @@ def shard_set(
     return ShardSet(location, serialized, model_dir, tensorizer_dir)
 
 
-def patched_argv(shard_set: ShardSet, port: int) -> list[str]:
-    """`vllm serve` as preshard rewrites a user's `vllm serve org/tied --port N ...`."""
+def patched_args(shard_set: ShardSet, port: int) -> list[str]:
+    """`vllm serve`'s args as preshard rewrites a user's `vllm serve org/tied --port N ...`."""
     load = TensorizerLoad(
         model_dir=str(shard_set.model_dir),
         tensor_parallel_size=TP,
@@ -139,7 +139,7 @@ def patched_argv(shard_set: ShardSet, port: int) -> list[str]:
         ["vllm", "serve"], [SERVED, "--port", str(port), *engine.VLLM_CPU_ARGS], load
     )
     assert rewritten.command == ["vllm", "serve"]
-    return [str(engine.engine_bin() / "vllm"), "serve", *(rewritten.args or [])]
+    return rewritten.args or []
 
 
 def test_vllm_writes_its_own_layout(
@@ -186,28 +186,32 @@ def test_vllm_serves_the_patched_command_line_as_the_original_model(
         **engine.VLLM_CPU_ENV,
         "PYTHONPATH": str(shard_set.tensorizer_dir),
     }
-    process = procs.start("vllm-patched", patched_argv(shard_set, port), tmp_path, env=env)
+    server = engine.VllmServer.launch(
+        engine.engine_bin() / "vllm",
+        patched_args(shard_set, port),
+        tmp_path,
+        served_model_name=SERVED,
+        env=env,
+        name="vllm-patched",
+        port=port,
+    )
     try:
-        procs.wait_until(
-            lambda: procs.http_ok(f"http://127.0.0.1:{port}/health"),
-            timeout=engine.HEALTH_TIMEOUT,
-            what="the patched vllm serve to answer /health",
-            process=process,
-            interval=1.0,
-        )
         for prompt, expected in baseline.items():
-            assert engine.complete(f"http://127.0.0.1:{port}", SERVED, prompt) == expected
+            assert engine.complete(server.url(""), SERVED, prompt) == expected
     finally:
-        process.stop()
+        server.stop()
 
 
 def test_the_stock_image_cannot_load_the_set_without_the_bundled_tensorizer(
     shard_set: ShardSet, s3_server: S3Server, tmp_path: Path
 ) -> None:
     env = {**pod_env(s3_server, tmp_path / "home"), **engine.VLLM_CPU_ENV}
-    process = procs.start(
-        "vllm-stock", patched_argv(shard_set, procs.free_port()), tmp_path, env=env
-    )
+    argv = [
+        str(engine.engine_bin() / "vllm"),
+        "serve",
+        *patched_args(shard_set, procs.free_port()),
+    ]
+    process = procs.start("vllm-stock", argv, tmp_path, env=env)
     try:
         process.popen.wait(timeout=engine.HEALTH_TIMEOUT)
     finally:

@@ -195,17 +195,17 @@ def test_vllm_serves_a_set_resharded_to_tp_4_as_the_original_model(
         "VLLM_CPU_OMP_THREADS_BIND": OMP_BIND[4],
         "PYTHONPATH": str(tensorizer_dir),
     }
-    argv = [str(engine.engine_bin() / "vllm"), "serve", *(rewritten.args or [])]
-    process = procs.start("vllm-resharded-tp4", argv, tmp_path, env=env)
+    server = engine.VllmServer.launch(
+        engine.engine_bin() / "vllm",
+        rewritten.args or [],
+        tmp_path,
+        served_model_name=SERVED,
+        env=env,
+        name="vllm-resharded-tp4",
+        port=port,
+    )
     try:
-        procs.wait_until(
-            lambda: procs.http_ok(f"http://127.0.0.1:{port}/health"),
-            timeout=engine.HEALTH_TIMEOUT,
-            what="vllm serve of the resharded TP 4 set to answer /health",
-            process=process,
-            interval=1.0,
-        )
         for prompt, answer in expected.items():
-            assert engine.complete(f"http://127.0.0.1:{port}", SERVED, prompt) == answer
+            assert engine.complete(server.url(""), SERVED, prompt) == answer
     finally:
-        process.stop()
+        server.stop()
