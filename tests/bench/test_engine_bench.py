@@ -39,10 +39,12 @@ def test_a_smoke_run_times_both_starts_to_the_first_completion(tmp_path: Path) -
     assert results["versions"]["vllm"]
     starts = ("stock, local disk", "stock, S3 download", "patched")
     assert {row["start"] for row in results["runs"]} == {*starts, "raw download"}
+    # vLLM's own report of its weight load was found in every server's log (this small a model
+    # may load in under 5 ms, which vLLM logs as 0.00 seconds).
+    loads = [row["weights_s"] for row in results["runs"] if row["start"] in starts]
+    assert all(seconds is not None and seconds >= 0 for seconds in loads), loads
     for kind in starts:
         start = results["starts"][kind]
-        # vLLM's own report of its weight load was found in every server's log.
-        assert start["weights_s"]["median"] > 0
         assert 0 < start["health_s"]["median"] <= start["first_completion_s"]["median"]
         # Only the pods with an init container have its time.
         assert ("init_s" in start) == (kind != "stock, local disk")
