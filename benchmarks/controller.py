@@ -17,17 +17,22 @@ kube-scheduler and kwok fake nodes):
    requests beside them.
 4. Idle: `--idle-seconds` with nothing to do. Every operator request in that window counts;
    the target is no write at all.
-5. Baseline: with the operator stopped, the same pool of clients creates the same N verify Jobs
+5. Restart: the operator is stopped and started again with the N ShardedModels Ready, as a
+   `helm upgrade` or a lost node restarts it. Its first list hands it all N at once, the
+   sharpest burst it can see: measured until it has sent no request for `--quiet-seconds`, its
+   peak RSS, CPU time, reconcile passes and requests; the target is no write at all (a write
+   here would be a status rewritten or, worse, N Deployments patched and rolled out again).
+6. Baseline: with the operator stopped, the same pool of clients creates the same N verify Jobs
    directly. The time until all complete is the floor this cluster sets on this machine in
    this run, and `Ready / baseline` the operator's cost over that floor.
-6. Baseline with targets: in a namespace of their own, the same N Deployments; then the clients
+7. Baseline with targets: in a namespace of their own, the same N Deployments; then the clients
    create the same N verify Jobs and, as each completes, send the operator's own JSON patch
    (`patching.patch_deployment`, `deployment_patch`, through `kube.Kube`) to its Deployment.
    The time until every patched template is rolled out is the floor of all the cluster work a
    ShardedModel's Ready stands for (the Jobs, and the Deployment controller's rollouts), and
    `Ready / baseline with targets` the operator's own cost over it: its CPU, and the API
    server's for its watches and its other writes (status, events, finalizers).
-7. Apply alone: with the operator still stopped, the same clients apply the same N
+8. Apply alone: with the operator still stopped, the same clients apply the same N
    ShardedModels into a namespace of their own. Its time is the apply's floor on this machine:
    the API server and the clients without the operator's CPU beside them.
 
@@ -771,6 +776,8 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
                 say,
                 profile_to=work / "operator.profile" if options.profile else None,
             )
+            operator.stop()
+            restart = restart_operator(cluster, operator, metrics_port, audit, size, options, say)
         finally:
             operator.stop()
         # Watch requests are logged when they end: some only ended with the operator.
@@ -783,7 +790,7 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
         say(f"N={size}: {size} ShardedModels applied without the operator in {apply_alone_s:.1f}s")
     finally:
         cluster.stop()
-    result = summarize(run, audit, baseline, targets_baseline, operator.log())
+    result = summarize(run, audit, baseline, targets_baseline, restart, operator.log())
     return {
         "size": size,
         "load_average": {"before": load_before, "after": common.load_average()},
@@ -863,6 +870,97 @@ def drive(
             else None
         ),
     )
+
+
+def restart_operator(
+    cluster: LocalCluster,
+    operator: OperatorProcess,
+    metrics_port: int,
+    audit: AuditLog,
+    size: int,
+    options: Options,
+    say: Log,
+) -> dict[str, Any]:
+    """Start the stopped operator again with the N ShardedModels Ready; what it then does.
+
+    Measured from its start until every ShardedModel has had a reconcile pass and the operator
+    has neither passed nor sent a request for `quiet_seconds`: its peak RSS, CPU time and passes,
+    every request (the API server's audit log) and every change its ShardedModels saw. The
+    operator is left running.
+    """
+    watcher = Watcher(cluster, NAMESPACE, models_too=True).start()
+    try:
+        procs.wait_for(
+            lambda: watcher.count(lambda seen: len(seen.ready_now)) >= size,
+            timeout=options.timeout_seconds,
+            interval=POLL_SECONDS,
+            what="every ShardedModel to be listed Ready before the restart",
+        )
+        changes_before = watcher.count(lambda seen: len(seen.changes))
+        start = time.time()
+        operator.start(timeout=options.timeout_seconds)
+        assert operator.process is not None
+        progress = PassProgress(metrics_port, size, operator.process.pid)
+        settled = procs.wait_for(
+            lambda: progress.settled(audit, options.quiet_seconds),
+            timeout=options.timeout_seconds,
+            interval=POLL_SECONDS,
+            what="the restarted operator to pass over every ShardedModel and go quiet",
+        )
+        end = time.time()
+        usage = common.process_usage(operator.process.pid)
+        seen = watcher.snapshot()
+    finally:
+        watcher.stop()
+    counts = count_requests(audit.window(start, end))
+    settled_s = round(settled - start, 2)
+    caught_up_s = _round(progress.caught_up - start if progress.caught_up is not None else None)
+    peak_at, peak = max(progress.rss, key=lambda sample: sample[1])
+    say(f"N={size}: restarted operator passed over all at {caught_up_s}s, quiet after {settled_s}s")
+    return {
+        "caught_up_s": caught_up_s,
+        "settled_s": settled_s,
+        "peak_rss_mib": _mib(usage.peak_rss_bytes),
+        "largest_rss_sampled": {"mib": _mib(peak), "at_s": round(peak_at - start, 2)},
+        "rss_mib": {"caught_up": _mib(progress.rss_caught_up), "settled": _mib(usage.rss_bytes)},
+        "cpu_s": round(usage.cpu_seconds, 2),
+        "reconcile_passes_per_shardedmodel": round(progress.passes / size, 2),
+        "requests": table_of(counts),
+        "requests_total": sum(counts.values()),
+        "writes": writes_of(counts),
+        "shardedmodel_changes": len(seen.changes) - changes_before,
+        "ready_lost": seen.ready_lost,
+    }
+
+
+class PassProgress:
+    """A starting operator's reconcile passes, polled from its metrics, and its RSS."""
+
+    def __init__(self, metrics_port: int, size: int, pid: int) -> None:
+        self.metrics_port = metrics_port
+        self.size = size
+        self.pid = pid
+        self.passes = 0.0
+        self.last_pass = time.time()
+        self.caught_up: float | None = None
+        """When the passes first numbered one per ShardedModel."""
+        self.rss_caught_up = 0
+        self.rss: list[tuple[float, int]] = []
+        """(moment, bytes) at every poll."""
+
+    def settled(self, audit: AuditLog, quiet: float) -> float | None:
+        """The moment of the last pass or request, once there is a pass per ShardedModel and
+        neither for `quiet` seconds; None before."""
+        now = time.time()
+        self.rss.append((now, common.process_usage(self.pid).rss_bytes))
+        passes = reconcile_passes(self.metrics_port)
+        if passes > self.passes:
+            self.passes, self.last_pass = passes, now
+        if self.caught_up is None and passes >= self.size:
+            self.caught_up, self.rss_caught_up = now, self.rss[-1][1]
+        audit.poll()
+        last = max(self.last_pass, audit.last(writes_only=False) or 0.0)
+        return last if self.caught_up is not None and now - last >= quiet else None
 
 
 def run_baseline(
@@ -1026,6 +1124,7 @@ def summarize(
     audit: AuditLog,
     baseline: dict[str, Any],
     targets_baseline: dict[str, Any],
+    restart: dict[str, Any],
     operator_log: str,
 ) -> dict[str, Any]:
     """The figures of one size, from the raw observations."""
@@ -1114,6 +1213,7 @@ def summarize(
                 metrics_delta(run.after_idle.metrics, run.after_converge.metrics)
             ),
         },
+        "restart": restart,
     }
     result["targets"] = check_targets(result)
     return result
@@ -1137,6 +1237,7 @@ def check_targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     rss = result["operator"]["peak_rss_mib"]
     writes = result["requests"]["operator_writes_per_shardedmodel"]
     idle_writes = result["idle"]["operator_writes"]
+    restart = result["restart"]
     return {
         "all_ready_s": {
             "limit": READY_TARGET_SECONDS,
@@ -1154,6 +1255,12 @@ def check_targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "met": writes <= WRITES_PER_RESOURCE_TARGET,
         },
         "idle_writes": {"limit": 0, "value": idle_writes, "met": idle_writes == 0},
+        "restart_peak_rss_mib": {
+            "limit": PEAK_RSS_TARGET_MIB,
+            "value": restart["peak_rss_mib"],
+            "met": restart["peak_rss_mib"] < PEAK_RSS_TARGET_MIB,
+        },
+        "restart_writes": {"limit": 0, "value": restart["writes"], "met": restart["writes"] == 0},
     }
 
 
@@ -1223,6 +1330,46 @@ def print_report(results: Sequence[dict[str, Any]]) -> None:
     )
     _breakdown(
         "Operator requests while idle (total)", results, lambda r: r["idle"]["operator_requests"]
+    )
+    common.print_table(
+        "The operator restarted with every ShardedModel Ready: seconds from its start until "
+        "it had passed over each, and until its last pass or request before the quiet window",
+        [
+            "N",
+            "passed over all",
+            "quiet after",
+            "peak RSS MiB",
+            "largest sampled MiB",
+            "at s",
+            "RSS caught up",
+            "CPU s",
+            "passes/SHM",
+            "requests",
+            "writes",
+            "SHM changes",
+            "Ready lost",
+        ],
+        [
+            [
+                r["size"],
+                r["restart"]["caught_up_s"],
+                r["restart"]["settled_s"],
+                r["restart"]["peak_rss_mib"],
+                r["restart"]["largest_rss_sampled"]["mib"],
+                r["restart"]["largest_rss_sampled"]["at_s"],
+                r["restart"]["rss_mib"]["caught_up"],
+                r["restart"]["cpu_s"],
+                r["restart"]["reconcile_passes_per_shardedmodel"],
+                r["restart"]["requests_total"],
+                r["restart"]["writes"],
+                r["restart"]["shardedmodel_changes"],
+                r["restart"]["ready_lost"],
+            ]
+            for r in results
+        ],
+    )
+    _breakdown(
+        "Operator requests after the restart (total)", results, lambda r: r["restart"]["requests"]
     )
     _breakdown(
         "The operator by whose code ran, apply to settled (py-spy: seconds the GIL was held)",

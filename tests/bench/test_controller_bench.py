@@ -78,12 +78,23 @@ def test_a_smoke_run_measures_every_figure(tmp_path: Path) -> None:
     assert requests["operator_per_shardedmodel"]["PATCH shardedmodels.preshard.dev/status"] >= 1
     # The audit log and the API server's per-user counter see the same operator requests.
     assert abs(requests["operator_total"] - requests["operator_total_from_metrics"]) <= 2
+    # The operator started again over three Ready ShardedModels: it lists and passes over each,
+    # and writes nothing.
+    restart = result["restart"]
+    assert 0 < restart["caught_up_s"] <= restart["settled_s"]
+    assert restart["peak_rss_mib"] > 0
+    assert restart["reconcile_passes_per_shardedmodel"] >= 1
+    assert restart["requests"]["LIST shardedmodels.preshard.dev"] >= 1
+    assert (restart["writes"], restart["ready_lost"]) == (0, 0)
     assert set(result["targets"]) == {
         "all_ready_s",
         "peak_rss_mib",
         "writes_per_shardedmodel",
         "idle_writes",
+        "restart_peak_rss_mib",
+        "restart_writes",
     }
+    assert result["targets"]["restart_writes"]["met"]
 
 
 def test_audit_lines_become_requests() -> None:
