@@ -625,6 +625,23 @@ def controller_apply(table: Table) -> None:
     controller_columns(table, CONTROLLER_APPLY_COLUMNS)
 
 
+CONTROLLER_RESTART_COLUMNS: Final[dict[str, Callable[[dict[str, Any]], float]]] = {
+    "passed over all": lambda size: size["restart"]["caught_up_s"],
+    "quiet after": lambda size: size["restart"]["settled_s"],
+    "peak RSS MiB": lambda size: size["restart"]["peak_rss_mib"],
+    "CPU s": lambda size: size["restart"]["cpu_s"],
+    "passes/SHM": lambda size: size["restart"]["reconcile_passes_per_shardedmodel"],
+    "requests": lambda size: size["restart"]["requests_total"],
+    "writes": lambda size: size["restart"]["writes"],
+    "Ready lost": lambda size: size["restart"]["ready_lost"],
+}
+
+
+def controller_restart(table: Table) -> None:
+    """The operator started again over N Ready ShardedModels (`restart`, from run 24 on)."""
+    controller_columns(table, CONTROLLER_RESTART_COLUMNS)
+
+
 def controller_profile(table: Table) -> None:
     """The operator's CPU in Python by whose code ran (`operator_profile`): each owner's
     seconds and share of the samples, and all of them, in every profiled run."""
@@ -705,6 +722,7 @@ EXPECTED: Final[dict[str, tuple[Callable[[Table], None], ...]]] = {
         controller_floors,
         controller_profile,
         controller_apply,
+        controller_restart,
     ),
 }
 CASES: Final = [
