@@ -923,6 +923,7 @@ def restart_operator(
         "peak_rss_mib": _mib(usage.peak_rss_bytes),
         "largest_rss_sampled": {"mib": _mib(peak), "at_s": round(peak_at - start, 2)},
         "rss_mib": {"caught_up": _mib(progress.rss_caught_up), "settled": _mib(usage.rss_bytes)},
+        "rss_mib_by_second": progress.rss_by_second(start),
         "cpu_s": round(usage.cpu_seconds, 2),
         "reconcile_passes_per_shardedmodel": round(progress.passes / size, 2),
         "requests": table_of(counts),
@@ -947,6 +948,13 @@ class PassProgress:
         self.rss_caught_up = 0
         self.rss: list[tuple[float, int]] = []
         """(moment, bytes) at every poll."""
+
+    def rss_by_second(self, start: float) -> list[list[float]]:
+        """`[seconds after start, MiB]`: the first sample of every whole second."""
+        seconds: dict[int, list[float]] = {}
+        for at, rss in self.rss:
+            seconds.setdefault(int(at - start), [round(at - start, 2), _mib(rss)])
+        return list(seconds.values())
 
     def settled(self, audit: AuditLog, quiet: float) -> float | None:
         """The moment of the last pass or request, once there is a pass per ShardedModel and

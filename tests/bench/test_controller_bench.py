@@ -83,6 +83,9 @@ def test_a_smoke_run_measures_every_figure(tmp_path: Path) -> None:
     restart = result["restart"]
     assert 0 < restart["caught_up_s"] <= restart["settled_s"]
     assert restart["peak_rss_mib"] > 0
+    moments = [at for at, mib in restart["rss_mib_by_second"] if mib > 0]
+    assert moments
+    assert moments == sorted(moments)
     assert restart["reconcile_passes_per_shardedmodel"] >= 1
     assert restart["requests"]["LIST shardedmodels.preshard.dev"] >= 1
     assert (restart["writes"], restart["ready_lost"]) == (0, 0)
