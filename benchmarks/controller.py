@@ -419,6 +419,15 @@ class Watcher:
         with self._lock:
             return what(self.seen)
 
+    def wait_ready(self, size: int, timeout: float, what: str) -> None:
+        """Wait until `size` ShardedModels are Ready now; `TimeoutError` after `timeout`."""
+        procs.wait_for(
+            lambda: self.count(lambda seen: len(seen.ready_now)) >= size,
+            timeout=timeout,
+            interval=POLL_SECONDS,
+            what=what,
+        )
+
     def _follow(
         self, group: str, version: str, plural: str, handle: Callable[[dict[str, Any]], None]
     ) -> None:
@@ -828,12 +837,7 @@ def drive(
         apply_s = apply_models(cluster, NAMESPACE, size, options.workers)
         say(f"N={size}: applied {size} ShardedModels in {apply_s:.1f}s")
         try:
-            procs.wait_for(
-                lambda: watcher.count(lambda seen: len(seen.ready_now)) >= size,
-                timeout=options.timeout_seconds,
-                interval=POLL_SECONDS,
-                what="every ShardedModel to be Ready",
-            )
+            watcher.wait_ready(size, options.timeout_seconds, "every ShardedModel to be Ready")
             converged = True
         except TimeoutError:
             converged = False
@@ -890,11 +894,10 @@ def restart_operator(
     """
     watcher = Watcher(cluster, NAMESPACE, models_too=True).start()
     try:
-        procs.wait_for(
-            lambda: watcher.count(lambda seen: len(seen.ready_now)) >= size,
-            timeout=options.timeout_seconds,
-            interval=POLL_SECONDS,
-            what="every ShardedModel to be listed Ready before the restart",
+        watcher.wait_ready(
+            size,
+            options.timeout_seconds,
+            "every ShardedModel to be listed Ready before the restart",
         )
         changes_before = watcher.count(lambda seen: len(seen.changes))
         start = time.time()
