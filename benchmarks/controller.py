@@ -19,9 +19,11 @@ kube-scheduler and kwok fake nodes):
    the target is no write at all.
 5. Restart: the operator is stopped and started again with the N ShardedModels Ready, as a
    `helm upgrade` or a lost node restarts it. Its first list hands it all N at once, the
-   sharpest burst it can see: measured until it has sent no request for `--quiet-seconds`, its
-   peak RSS, CPU time, reconcile passes and requests; the target is no write at all (a write
-   here would be a status rewritten or, worse, N Deployments patched and rolled out again).
+   sharpest burst it can see: measured until every ShardedModel has had a reconcile pass and
+   the operator has neither passed nor sent a request for `--quiet-seconds`, its peak RSS (and
+   its RSS second by second), CPU time, passes and requests; the target is no write at all (a
+   write here would be a status rewritten or, worse, N Deployments patched and rolled out
+   again).
 6. Baseline: with the operator stopped, the same pool of clients creates the same N verify Jobs
    directly. The time until all complete is the floor this cluster sets on this machine in
    this run, and `Ready / baseline` the operator's cost over that floor.
@@ -904,19 +906,21 @@ def restart_operator(
         operator.start(timeout=options.timeout_seconds)
         assert operator.process is not None
         progress = PassProgress(metrics_port, size, operator.process.pid)
-        settled = procs.wait_for(
-            lambda: progress.settled(audit, options.quiet_seconds),
-            timeout=options.timeout_seconds,
-            interval=POLL_SECONDS,
-            what="the restarted operator to pass over every ShardedModel and go quiet",
-        )
+        settled: float | None = None
+        with contextlib.suppress(TimeoutError):
+            settled = procs.wait_for(
+                lambda: progress.settled(audit, options.quiet_seconds),
+                timeout=options.timeout_seconds,
+                interval=POLL_SECONDS,
+                what="the restarted operator to pass over every ShardedModel and go quiet",
+            )
         end = time.time()
         usage = common.process_usage(operator.process.pid)
         seen = watcher.snapshot()
     finally:
         watcher.stop()
     counts = count_requests(audit.window(start, end))
-    settled_s = round(settled - start, 2)
+    settled_s = _round(settled - start if settled is not None else None)
     caught_up_s = _round(progress.caught_up - start if progress.caught_up is not None else None)
     peak_at, peak = max(progress.rss, key=lambda sample: sample[1])
     say(f"N={size}: restarted operator passed over all at {caught_up_s}s, quiet after {settled_s}s")
