@@ -262,7 +262,6 @@ class Bench:
             engine.engine_bin() / "vllm",
             args,
             log_dir,
-            served_model_name=SERVED,
             env=env,
             name=name,
             poll_interval=0.2,

@@ -49,9 +49,7 @@ def serve(args: Sequence[str], log_dir: Path, name: str) -> tuple[VllmServer, fl
     """Start this Python's `vllm serve ARGS` and wait for /health; the server and its seconds."""
     vllm = shutil.which("vllm", path=str(Path(sys.executable).parent)) or "vllm"
     started = time.monotonic()
-    server = VllmServer.launch(
-        Path(vllm), args, log_dir, served_model_name=SERVED, env=None, name=name, timeout=900
-    )
+    server = VllmServer.launch(Path(vllm), args, log_dir, env=None, name=name, timeout=900)
     return server, time.monotonic() - started
 
 

@@ -100,7 +100,6 @@ class VllmServer:
 
     process: procs.Process
     port: int
-    served_model_name: str
 
     @classmethod
     def start(
@@ -120,7 +119,6 @@ class VllmServer:
             engine_bin() / "vllm",
             [model, "--served-model-name", served_model_name, *VLLM_CPU_ARGS, *extra_args],
             log_dir,
-            served_model_name=served_model_name,
             env={**base, **VLLM_CPU_ENV, **(env or {})},
             name=name,
         )
@@ -132,14 +130,13 @@ class VllmServer:
         args: Sequence[str],
         log_dir: Path,
         *,
-        served_model_name: str,
         env: Mapping[str, str] | None,
         name: str,
         port: int | None = None,
         poll_interval: float = 1.0,
         timeout: float = HEALTH_TIMEOUT,
     ) -> VllmServer:
-        """Start `VLLM serve ARGS` as given and wait for `/health`.
+        """Start `<vllm> serve ARGS` as given and wait for `/health`.
 
         With `port`, the port ARGS name themselves (a pod's own `--port`) and nothing is
         added; without, a free loopback port and host are appended. So a caller can run a
@@ -150,7 +147,7 @@ class VllmServer:
             port = procs.free_port()
             argv += ["--port", str(port), "--host", "127.0.0.1"]
         process = procs.start(name, argv, log_dir, env=env, stop_timeout=30)
-        server = cls(process, port, served_model_name)
+        server = cls(process, port)
         try:
             procs.wait_until(
                 lambda: procs.http_ok(server.url("/health")),

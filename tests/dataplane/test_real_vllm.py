@@ -190,7 +190,6 @@ def test_vllm_serves_the_patched_command_line_as_the_original_model(
         engine.engine_bin() / "vllm",
         patched_args(shard_set, port),
         tmp_path,
-        served_model_name=SERVED,
         env=env,
         name="vllm-patched",
         port=port,

@@ -199,7 +199,6 @@ def test_vllm_serves_a_set_resharded_to_tp_4_as_the_original_model(
         engine.engine_bin() / "vllm",
         rewritten.args or [],
         tmp_path,
-        served_model_name=SERVED,
         env=env,
         name="vllm-resharded-tp4",
         port=port,
