@@ -78,6 +78,7 @@ def _run(args: argparse.Namespace) -> int:
     # Kubernetes client or prometheus_client.
     from preshard.controller import (  # noqa: PLC0415
         handlers,  # noqa: F401 - registers the handlers
+        kopf_barrier,
         metrics,
     )
 
@@ -99,6 +100,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"preshard run: cannot serve metrics on port {settings.metrics_port}: {error}\n"
             )
             return 2
+    kopf_barrier.install()
     try:
         asyncio.run(
             kopf.operator(
