@@ -38,6 +38,11 @@ kube-scheduler and kwok fake nodes):
    ShardedModels into a namespace of their own. Its time is the apply's floor on this machine:
    the API server and the clients without the operator's CPU beside them.
 
+With `--other-pods P`, P pods that are not preshard's (another workload's, bound to the kwok
+nodes and running) are in the cluster from before the operator's first start: the operator
+watches every pod of the cluster (the pods of patched Deployments carry no label of preshard's
+to select them by), so a cluster's other pods are part of what its start lists and holds.
+
 Why `replicas: 0`: the operator never touches replicas, and a running vLLM pod per model would
 measure the scheduler and kwok (1000 pods asking for GPUs the fake nodes would need to hold)
 rather than the controller. The Deployment controller still rolls each patched template out (a
@@ -104,6 +109,8 @@ BASELINE_NAMESPACE: Final = "baseline"
 TARGETS_NAMESPACE: Final = "baseline-targets"
 # The ShardedModels applied again with the operator stopped: the apply's own floor.
 APPLY_NAMESPACE: Final = "apply-alone"
+# The pods of `--other-pods`: another workload's.
+OTHERS_NAMESPACE: Final = "others"
 TENSOR_PARALLEL_SIZE: Final = 2
 REPLICAS: Final = 0
 WATCH_SECONDS: Final = 5
@@ -622,6 +629,42 @@ def apply_models(cluster: LocalCluster, namespace: str, size: int, workers: int)
     )
 
 
+def create_other_pods(
+    cluster: LocalCluster, count: int, extra_nodes: Sequence[str], workers: int
+) -> float:
+    """`count` pods of another workload, bound to the kwok nodes in turn; the seconds until
+    kwok runs them all."""
+    node_names = [*nodes.GPU_NODES, *extra_nodes]
+    stopwatch = common.Stopwatch()
+    with cluster.api_client() as admin:
+        create_namespace(admin, OTHERS_NAMESPACE)
+
+    def create(api: k8s.ApiClient, index: int) -> None:
+        pod: Manifest = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"other-{index:05d}", "labels": {"app": "other"}},
+            "spec": {
+                "nodeName": node_names[index % len(node_names)],
+                "containers": [{"name": "app", "image": "registry.example/other:1"}],
+            },
+        }
+        k8s.CoreV1Api(api).create_namespaced_pod(OTHERS_NAMESPACE, k8s.V1Pod.model_validate(pod))
+
+    in_parallel(cluster, count, create, workers)
+    with cluster.api_client() as admin:
+        core = k8s.CoreV1Api(admin)
+
+        def all_running() -> bool:
+            listed = core.list_namespaced_pod(
+                OTHERS_NAMESPACE, field_selector="status.phase=Running"
+            )
+            return len(listed.items) == count
+
+        procs.wait_for(all_running, timeout=300, interval=1.0, what="kwok to run the other pods")
+    return stopwatch.elapsed
+
+
 def create_namespace(api: k8s.ApiClient, name: str) -> None:
     """Create a namespace."""
     k8s.CoreV1Api(api).create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name)))
@@ -668,6 +711,7 @@ class Options:
     workers: int
     kube_api_qps: int
     profile: bool = False
+    other_pods: int = 0
 
 
 @dataclass
@@ -740,7 +784,7 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
     try:
         with cluster.api_client() as admin:
             install_crd(admin)
-            extra_nodes = add_kwok_nodes(admin, size)
+            extra_nodes = add_kwok_nodes(admin, size + options.other_pods)
             create_namespace(admin, NAMESPACE)
             create_namespace(admin, BASELINE_NAMESPACE)
             create_namespace(admin, TARGETS_NAMESPACE)
@@ -754,6 +798,9 @@ def run_size(size: int, options: Options, work: Path, say: Log) -> dict[str, Any
             options.workers,
         )
         say(f"N={size}: {size} Deployments in {deployments_s:.1f}s, {len(extra_nodes)} more nodes")
+        if options.other_pods:
+            others_s = create_other_pods(cluster, options.other_pods, extra_nodes, options.workers)
+            say(f"N={size}: {options.other_pods} other pods running after {others_s:.1f}s")
         audit = AuditLog(work / "audit" / "audit.log")
         metrics_port = procs.free_port()
         operator = OperatorProcess(
@@ -1466,6 +1513,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "0 keeps Kubernetes' defaults (default: %(default)s)",
     )
     parser.add_argument(
+        "--other-pods",
+        type=int,
+        default=0,
+        help="pods of another workload running in the cluster from the start (default: 0)",
+    )
+    parser.add_argument(
         "--output",
         type=Path,
         default=common.RESULTS_DIR / f"{NAME}.json",
@@ -1494,6 +1547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers=args.workers,
         kube_api_qps=args.kube_api_qps,
         profile=args.profile,
+        other_pods=args.other_pods,
     )
     if options.profile:
         profile.py_spy()
@@ -1518,6 +1572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "workers": options.workers,
                 "kube_api_qps": options.kube_api_qps,
                 "profile": options.profile,
+                "other_pods": options.other_pods,
                 "replicas": REPLICAS,
                 "tensor_parallel_size": TENSOR_PARALLEL_SIZE,
             },

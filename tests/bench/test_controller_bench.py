@@ -38,6 +38,8 @@ def test_a_smoke_run_measures_every_figure(tmp_path: Path) -> None:
             "2",
             "--timeout-seconds",
             "120",
+            "--other-pods",
+            "4",
             "--output",
             str(output),
         ],
@@ -53,6 +55,8 @@ def test_a_smoke_run_measures_every_figure(tmp_path: Path) -> None:
     document = json.loads(output.read_text())
     assert document["benchmark"] == "controller"
     assert document["machine"]["cpus"] >= 1
+    # Another workload's pods run beside preshard's from the start.
+    assert document["results"]["options"]["other_pods"] == 4
     (result,) = document["results"]["sizes"]
     assert (result["size"], result["converged"], result["ready"]) == (3, True, 3)
     assert (result["jobs"], result["jobs_failed"]) == (3, 0)
