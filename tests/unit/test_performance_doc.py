@@ -723,6 +723,7 @@ EXPECTED: Final[dict[str, tuple[Callable[[Table], None], ...]]] = {
         controller_profile,
         controller_apply,
         controller_restart,
+        controller_restart,
     ),
 }
 CASES: Final = [
