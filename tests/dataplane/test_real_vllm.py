@@ -6,7 +6,8 @@ serialized at TP 2 by vLLM's own `tensorize_vllm_model` in the engine environmen
 build, `make engine-env`). The rank files must be vLLM's layout (fused `qkv_proj` and
 `gate_up_proj`, halved by rank, nothing empty), and `vllm serve` of the shard set must answer
 as vLLM serving the original safetensors does. The stock vLLM image (no tensorizer) fails to
-load the same set unless the tensorizer that `fetch-config` hands over is on its path.
+load the same set unless the tensorizer that `fetch-config` hands over is on its path. No log,
+vLLM's or the data plane's, carries the S3 secret key.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class ShardSet:
     serialized: Outcome
     model_dir: Path
     tensorizer_dir: Path
+    logs: tuple[Path, ...]
+    """What vLLM and the data plane printed while making and checking the set."""
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +127,8 @@ def shard_set(
         work / "fetch-config.log",
         timeout=120,
     )
-    return ShardSet(location, serialized, model_dir, tensorizer_dir)
+    logs = tuple(work / f"{name}.log" for name in ("serialize", "verify", "fetch-config"))
+    return ShardSet(location, serialized, model_dir, tensorizer_dir, logs)
 
 
 def patched_args(shard_set: ShardSet, port: int) -> list[str]:
@@ -199,6 +203,16 @@ def test_vllm_serves_the_patched_command_line_as_the_original_model(
             assert engine.complete(server.url(""), SERVED, prompt) == expected
     finally:
         server.stop()
+    # vLLM logs its non-default args, the tensorizer config among them, whose own fields could
+    # carry S3 keys: the key reaches tensorizer through the pod's environment only.
+    assert s3_server.credentials.secret_access_key not in server.process.log_path.read_text()
+
+
+def test_no_data_plane_log_carries_the_secret_key(shard_set: ShardSet, s3_server: S3Server) -> None:
+    for log in shard_set.logs:
+        text = log.read_text(errors="replace")
+        assert text, log.name
+        assert s3_server.credentials.secret_access_key not in text, log.name
 
 
 def test_the_stock_image_cannot_load_the_set_without_the_bundled_tensorizer(
