@@ -39,9 +39,9 @@ kube-scheduler and kwok fake nodes):
    the API server and the clients without the operator's CPU beside them.
 
 With `--other-pods P`, P pods that are not preshard's (another workload's, bound to the kwok
-nodes and running) are in the cluster from before the operator's first start: the operator
-watches every pod of the cluster (the pods of patched Deployments carry no label of preshard's
-to select them by), so a cluster's other pods are part of what its start lists and holds.
+nodes and running) are in the cluster from before the operator's first start: what a cluster's
+other workloads cost the operator. Its pod stream asks the API server for preshard's pods only
+(`handlers.POD_SELECTOR`); an operator that watched every pod listed and held them all.
 
 Why `replicas: 0`: the operator never touches replicas, and a running vLLM pod per model would
 measure the scheduler and kwok (1000 pods asking for GPUs the fake nodes would need to hold)

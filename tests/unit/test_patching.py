@@ -26,6 +26,7 @@ from preshard.builders.patching import (
 from preshard.builders.pods import s3_endpoint_url
 from preshard.builders.shardset import Owner, ShardSet
 from preshard.contract import reasons
+from preshard.controller.handlers import POD_SELECTOR
 from preshard.settings import Settings
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "deployments"
@@ -296,6 +297,34 @@ def test_restore_gives_back_the_original() -> None:
     assert restored["spec"] == original["spec"]
     assert restored["metadata"]["annotations"] == {}
     assert build_restored_deployment(original) is None
+
+
+def test_the_template_label_goes_with_the_patch_and_the_users_labels_stay() -> None:
+    original = deployment()
+    original["spec"]["template"]["metadata"] = {"labels": {"app": "vllm"}}
+    patched = build_patched_deployment(original, target_input())
+    assert isinstance(patched, dict)
+    # The operator's pod stream selects by it (`handlers.POD_SELECTOR`).
+    assert patched["spec"]["template"]["metadata"]["labels"] == {
+        "app": "vllm",
+        POD_SELECTOR: "llama",
+    }
+    restored = build_restored_deployment(patched)
+    assert restored is not None
+    assert restored["spec"] == original["spec"]
+
+
+def test_a_template_patched_without_the_label_needs_no_write_for_it() -> None:
+    """Patched by a preshard that set no label: adding it would roll every vLLM pod out on an
+    operator upgrade, so it waits for the next patch."""
+    patched = build_patched_deployment(deployment(), target_input())
+    assert isinstance(patched, dict)
+    earlier = copy.deepcopy(patched)
+    del earlier["spec"]["template"]["metadata"]
+    assert managed_view(earlier, "vllm") == managed_view(patched, "vllm")
+    again = build_patched_deployment(earlier, target_input())
+    assert isinstance(again, dict)
+    assert again["spec"]["template"] == patched["spec"]["template"]
 
 
 def test_encrypted_sets_mount_only_the_key_file() -> None:

@@ -1,4 +1,5 @@
-"""What kopf's watch streams ask the API server for: the Job stream only the operator's Jobs."""
+"""What kopf's watch streams ask the API server for: the Job stream only the operator's Jobs, the
+pod stream only the pods of its Jobs and of the templates it patched."""
 
 from __future__ import annotations
 
@@ -8,12 +9,19 @@ from preshard.api import models
 from preshard.builders import jobs
 from preshard.builders.shardset import Owner, ShardSet
 from preshard.contract.layout import S3Location
-from preshard.controller.handlers import JOB_SELECTOR, JOBS, WATCHED, configure_watching
+from preshard.controller.handlers import (
+    JOB_SELECTOR,
+    JOBS,
+    POD_SELECTOR,
+    PODS,
+    WATCHED,
+    configure_watching,
+)
 from preshard.settings import Settings
 from tests.support.specs import kwok_spec
 
 
-def test_only_the_job_stream_is_narrowed_by_the_api_server() -> None:
+def test_the_job_and_pod_streams_are_narrowed_by_the_api_server() -> None:
     settings = kopf.OperatorSettings()
     configure_watching(settings)
 
@@ -22,9 +30,8 @@ def test_only_the_job_stream_is_narrowed_by_the_api_server() -> None:
         for resource in WATCHED
     }
 
-    assert selectors == {
-        resource: [JOB_SELECTOR] if resource == JOBS else [] for resource in WATCHED
-    }
+    narrowed = {JOBS: [JOB_SELECTOR], PODS: [POD_SELECTOR]}
+    assert selectors == {resource: narrowed.get(resource, []) for resource in WATCHED}
 
 
 def test_every_job_preshard_builds_is_in_the_job_stream() -> None:
@@ -48,3 +55,5 @@ def test_every_job_preshard_builds_is_in_the_job_stream() -> None:
     for manifest in built:
         assert manifest["metadata"]["labels"][key] == value
         assert manifest["spec"]["template"]["metadata"]["labels"][key] == value
+        # Their pods are in the pod stream.
+        assert POD_SELECTOR in manifest["spec"]["template"]["metadata"]["labels"]

@@ -11,12 +11,15 @@ gets its original value back, and what the user changed meanwhile stays. Every v
 user's that the patch replaces is reported (`PatchedDeployment.overrides`). A Deployment that
 another controller owns is refused unless the target allows it: that controller would put its
 own template back. So is a server whose vLLM release is not the one that wrote the shards
-(`vllm_version_check`), unless the target allows it.
+(`vllm_version_check`), unless the target allows it. The pod template also gets the label
+`preshard.dev/shardedmodel`, as preshard's Job pods have it, so that the operator watches only
+the pods that carry it rather than every pod of the cluster.
 
 Whether a Deployment needs a write is decided on the fields preshard manages only
 (`managed_view`): server-side defaults on the rest never cause a patch loop. The init
 container keeps the tools image it has while nothing else of the patch changes, so an operator
-upgrade does not restart every vLLM pod.
+upgrade does not restart every vLLM pod; for the same reason the label is not among those
+fields, and a Deployment patched before preshard set it gains it with its next patch.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from preshard.builders.pods import (
     s3_env,
     tool_args,
 )
-from preshard.builders.shardset import ANNOTATION_TP, BuildInput
+from preshard.builders.shardset import ANNOTATION_TP, LABEL_SHARDEDMODEL, BuildInput, owner_label
 from preshard.builders.vllm_args import (
     ContainerCommand,
     TensorizerLoad,
@@ -378,6 +381,10 @@ def patch_deployment(deployment: Manifest, target: TargetInput) -> PatchedDeploy
     _set_or_drop(chosen, "args", rewritten.args)
     _apply_container(chosen, target, gpu)
     _apply_pod(pod_spec, target)
+    template = desired["spec"]["template"]
+    template.setdefault("metadata", {}).setdefault("labels", {})[LABEL_SHARDEDMODEL] = owner_label(
+        target.owner
+    )
     kept = _keep_tools_image(deployment, desired, chosen.get("name"), target.manifest_format)
 
     desired_annotations = desired.setdefault("metadata", {}).setdefault("annotations", {})
@@ -817,6 +824,12 @@ def _unpatched(deployment: Manifest, *, keep_edits: bool) -> tuple[Manifest, tup
     if "volumes" in pod_spec:
         volumes = [v for v in pod_spec["volumes"] or [] if v.get("name") not in OWNED_VOLUMES]
         _set_or_drop(pod_spec, "volumes", volumes or None)
+    template: Manifest = (restored.get("spec") or {}).get("template") or {}
+    labels = (template.get("metadata") or {}).get("labels")
+    if labels and LABEL_SHARDEDMODEL in labels:
+        del labels[LABEL_SHARDEDMODEL]
+        _set_or_drop(template["metadata"], "labels", labels or None)
+        _set_or_drop(template, "metadata", template["metadata"] or None)
     return restored, tuple(kept)
 
 

@@ -95,13 +95,19 @@ def child_name(owner: Owner, shard_set: ShardSet, kind: str, run: int) -> str:
     return name
 
 
+def owner_label(owner: Owner) -> str:
+    """The `preshard.dev/shardedmodel` label's value: the ShardedModel's name, cut to a label
+    value's 63 characters."""
+    return owner.name[:63].rstrip("-.")
+
+
 def labels(owner: Owner, shard_set: ShardSet, component: str) -> dict[str, str]:
     """Labels on every Job and pod preshard creates."""
     return {
         LABEL_NAME: "preshard",
         LABEL_MANAGED_BY: MANAGED_BY,
         LABEL_COMPONENT: component,
-        LABEL_SHARDEDMODEL: owner.name[:63].rstrip("-."),
+        LABEL_SHARDEDMODEL: owner_label(owner),
         LABEL_ARTIFACT_KEY: shard_set.artifact_key,
         LABEL_COMMAND: component,
     }

@@ -60,9 +60,13 @@ DEPLOYMENTS: Final = ("apps", "v1", "deployments")
 SHARDEDMODELS: Final = (models.GROUP, models.VERSION, models.PLURAL)
 WATCHED: Final = (JOBS, PODS, DEPLOYMENTS, SHARDEDMODELS)
 # Sent with the Job stream, so the API server streams only the Jobs preshard created (all carry
-# it: `shardset.labels`), not every Job of the cluster. The pod stream cannot be narrowed so: the
-# pods of patched Deployments carry no label of preshard's.
+# it: `shardset.labels`), not every Job of the cluster.
 JOB_SELECTOR: Final = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+# Sent with the pod stream: the pods of preshard's Jobs and of patched pod templates carry the
+# label (`patching.patch_deployment` sets it), another workload's pods do not. kopf lists every
+# object of a stream and holds them all while it starts, so a cluster's other pods would cost the
+# operator memory (about 30 KiB each) and time.
+POD_SELECTOR: Final = LABEL_SHARDEDMODEL
 # Requests kopf may have in flight at once besides its watch streams.
 API_REQUESTS: Final = 32
 
@@ -255,6 +259,7 @@ def configure_watching(settings: kopf.OperatorSettings) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.label_selectors[JOBS] = JOB_SELECTOR
+    settings.watching.label_selectors[PODS] = POD_SELECTOR
 
 
 def api_connection_limit(namespaces: Sequence[str]) -> int:
@@ -331,9 +336,8 @@ async def pod_index(namespace: str | None, body: kopf.Body, labels: kopf.Labels,
     return {(namespace, job_name): pod_view(dict(body))}
 
 
-# kopf watches all pods (a handler's label filter is applied to the stream, not sent to the API
-# server, and no server-side one fits: see JOB_SELECTOR), so this index costs no request of its
-# own: it keeps the few pods of patched templates.
+# The pod stream (POD_SELECTOR) carries the pods of preshard's Jobs and of patched templates; this
+# index keeps the latter.
 @kopf.index(*PODS)
 async def target_pod_index(namespace: str | None, body: kopf.Body, **_: Any) -> Any:
     """Pods of patched Deployments: `(namespace, Deployment name) -> TargetPodView`."""
