@@ -724,6 +724,7 @@ EXPECTED: Final[dict[str, tuple[Callable[[Table], None], ...]]] = {
         controller_apply,
         controller_restart,
         controller_restart,
+        controller_restart,
     ),
 }
 CASES: Final = [
