@@ -251,6 +251,12 @@ class S3Store:
     server: S3Server | None
     """The server the benchmark started itself; None for one it was given."""
 
+    def server_cpu_seconds(self) -> float | None:
+        """The CPU time the server has used so far; None for a server started elsewhere."""
+        if self.server is None:
+            return None
+        return process_usage(self.server.process.pid).cpu_seconds
+
     def client(self) -> S3Client:
         """A boto3 client with boto3's defaults."""
         return boto3.client("s3", endpoint_url=self.endpoint)

@@ -26,10 +26,17 @@ to an S3 server. Then, in each of `--repeats` rounds, one after another:
 - **prefetch, then tensorizer from the file**: what an init container that prefetches the rank
   file would give: preshard's download into memory, then `TensorDeserializer` on the local
   file (`num_readers` of `--prefetch-readers`); the sum of both is the load's time.
+- **tensorizer from a file in memory**: the second half of that alone (the download before it
+  is not timed): what tensorizer costs with no network in the way.
 - **safetensors, local disk**: the same tensors as a `.safetensors` file,
   `safetensors.torch.load_file` and one copy of every tensor (`load_file` maps the file; the
   copy makes it read the bytes, as a move to a GPU would): once from the disk (the file's
   pages evicted with `posix_fadvise(DONTNEED)` first) and once from the page cache.
+
+Around every load the CPU time is read three ways: this process's (tensorizer, the downloads,
+safetensors), its finished child processes' (the curl processes, curl's own and tensorizer's)
+and, when the benchmark started the S3 server, the server's. On a machine with few cores, the
+sum over the cores bounds how fast a load can be.
 
     python -m benchmarks.load [--size-gb 2] [--readers 1,2,4,8,16] [--repeats 3]
 """
@@ -38,13 +45,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.metadata
 import itertools
 import os
+import resource
 import secrets
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +240,17 @@ class Downloads:
         finally:
             self.target.unlink(missing_ok=True)
 
+    def prefetch(self) -> None:
+        """The object into memory, untimed, for `load_prefetched`."""
+        self.preshard(keep=True)
+
+    def load_prefetched(self, readers: int) -> float:
+        """tensorizer from the file `prefetch` left in memory, which it then removes."""
+        try:
+            return tensorizer_local(self.target, readers, self.shard.tensor_bytes)
+        finally:
+            self.target.unlink(missing_ok=True)
+
 
 def evict(path: Path) -> None:
     """Drop one file's pages from the page cache, so the next read comes from the disk."""
@@ -288,6 +309,8 @@ class Load:
     readers: int | None
     streams: int | None
     run: Callable[[], float]
+    prepare: Callable[[], object] | None = None
+    """Run before the load, outside its time and CPU."""
 
 
 def loads(
@@ -323,6 +346,13 @@ def loads(
             DOWNLOAD_CONNECTIONS,
             functools.partial(downloads.prefetch_then_load, prefetch_readers),
         ),
+        Load(
+            f"tensorizer from a file in memory, num_readers={prefetch_readers}",
+            None,
+            None,
+            functools.partial(downloads.load_prefetched, prefetch_readers),
+            prepare=downloads.prefetch,
+        ),
     ]
     plan.append(
         Load(
@@ -343,12 +373,51 @@ def loads(
     return plan
 
 
-def run_rounds(plan: Sequence[Load], repeats: int, tensor_bytes: int) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class CpuClock:
+    """CPU seconds so far: this process, its finished children, the S3 server (if known)."""
+
+    here: float
+    children: float
+    server: float | None
+
+    @classmethod
+    def read(cls, store: common.S3Store) -> CpuClock:
+        """The clocks now."""
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return cls(
+            here=time.process_time(),
+            children=children.ru_utime + children.ru_stime,
+            server=store.server_cpu_seconds(),
+        )
+
+    def since(self, start: CpuClock) -> dict[str, float | None]:
+        """CPU seconds spent since `start`, by whom."""
+        server = None
+        if self.server is not None and start.server is not None:
+            server = round(self.server - start.server, 3)
+        return {
+            "here": round(self.here - start.here, 3),
+            "children": round(self.children - start.children, 3),
+            "server": server,
+        }
+
+
+def run_rounds(
+    plan: Sequence[Load], repeats: int, tensor_bytes: int, store: common.S3Store
+) -> list[dict[str, Any]]:
     """Every load once per round; one row per load and round."""
     rows = []
     for number in range(1, repeats + 1):
         for load in plan:
+            if load.prepare is not None:
+                load.prepare()
+            cpu = CpuClock.read(store)
             seconds = load.run()
+            # A curl process tensorizer let go of is reaped when its Popen is collected: now,
+            # so that its CPU counts for this load, not a later one.
+            gc.collect()
+            spent = CpuClock.read(store).since(cpu)
             rate = tensor_bytes / seconds / common.GB
             common.say(f"round {number}: {load.name}: {seconds:.2f}s, {rate:.2f} GB/s")
             rows.append(
@@ -358,6 +427,7 @@ def run_rounds(plan: Sequence[Load], repeats: int, tensor_bytes: int) -> list[di
                     "num_readers": load.readers,
                     "streams": load.streams,
                     "seconds": round(seconds, 4),
+                    "cpu_s": spent,
                 }
             )
     return rows
@@ -388,9 +458,27 @@ def summarize(rows: Sequence[dict[str, Any]], tensor_bytes: int) -> list[dict[st
                 if same_streams
                 else None
             ),
+            "cpu_s_per_gb": _cpu_per_gb([row for row in rows if row["load"] == name], tensor_bytes),
         }
         summary.append(entry)
     return summary
+
+
+def _cpu_per_gb(rows: Sequence[dict[str, Any]], tensor_bytes: int) -> dict[str, float | None]:
+    """Median CPU seconds per GB loaded, by whom, and their sum (None without the server's)."""
+    gigabytes = tensor_bytes / common.GB
+    spent: dict[str, float | None] = {}
+    for whom in ("here", "children", "server"):
+        values = [row["cpu_s"][whom] for row in rows if row.get("cpu_s")]
+        known = [value for value in values if value is not None]
+        spent[whom] = (
+            round(common.spread(known)["median"] / gigabytes, 3)
+            if known and len(known) == len(values)
+            else None
+        )
+    parts = [spent["here"], spent["children"], spent["server"]]
+    spent["total"] = None if None in parts else round(sum(p for p in parts if p is not None), 3)
+    return spent
 
 
 def _same_streams(row: dict[str, Any]) -> str | None:
@@ -420,8 +508,19 @@ def print_report(summary: Sequence[dict[str, Any]], shard: Shard, repeats: int) 
 
     common.print_table(
         f"Loading one {shard.tensor_bytes / common.GB:.2f} GB rank file ({shard.tensors} "
-        f"tensors): median of {repeats} rounds; speed ratios median (smallest-largest)",
-        ["load", "seconds", "GB/s", "speed / raw download", "speed / curl, same streams"],
+        f"tensors): median of {repeats} rounds; speed ratios median (smallest-largest); CPU "
+        "seconds per GB: this process, its curl processes, the S3 server",
+        [
+            "load",
+            "seconds",
+            "GB/s",
+            "speed / raw download",
+            "speed / curl, same streams",
+            "CPU here",
+            "CPU curl",
+            "CPU server",
+            "CPU total",
+        ],
         [
             [
                 entry["load"],
@@ -429,6 +528,10 @@ def print_report(summary: Sequence[dict[str, Any]], shard: Shard, repeats: int) 
                 entry["gb_per_s"],
                 ratio(entry["speed_over_raw"]),
                 ratio(entry["speed_over_curl_same_streams"]),
+                entry["cpu_s_per_gb"]["here"],
+                entry["cpu_s_per_gb"]["children"],
+                entry["cpu_s_per_gb"]["server"],
+                entry["cpu_s_per_gb"]["total"],
             ]
             for entry in summary
         ],
@@ -510,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shard = make_shard(store, scratch, int(args.size_gb * common.GB), prefix)
             downloads = Downloads(shard, store, memory)
             plan = loads(shard, args.readers, downloads, args.prefetch_readers)
-            rows = run_rounds(plan, args.repeats, shard.tensor_bytes)
+            rows = run_rounds(plan, args.repeats, shard.tensor_bytes, store)
         finally:
             store.delete_prefix(prefix)
             shutil.rmtree(scratch, ignore_errors=True)

@@ -515,12 +515,12 @@ class Round:
         store = self.plan.store
         label = f"{method.name}-{method.setting}" if method.setting else method.name
         prefix = f"{self.prefix}/{label}"
-        server_cpu = self._server_cpu()
+        server_cpu = store.server_cpu_seconds()
         try:
             timing = method.run(prefix)
         finally:
             store.delete_prefix(prefix)
-        server_cpu_after = self._server_cpu()
+        server_cpu_after = store.server_cpu_seconds()
         if server_cpu is not None and server_cpu_after is not None:
             timing = dataclasses.replace(timing, server_cpu_s=server_cpu_after - server_cpu)
         files = self.files()
@@ -552,10 +552,6 @@ class Round:
             f"upload {timing.upload_s:.1f}s ({uploaded / timing.upload_s / 1e6:.0f} MB/s){cpu}"
         )
         return row
-
-    def _server_cpu(self) -> float | None:
-        server = self.plan.store.server
-        return None if server is None else common.process_usage(server.process.pid).cpu_seconds
 
 
 def _rounded(value: float | None) -> float | None:

@@ -115,12 +115,18 @@ def test_a_smoke_run_of_loading_shards_times_every_reader_count(
         "boto3 download_file to memory",
         "CRT download to memory",
         "prefetch, then tensorizer from the file, num_readers=2",
+        "tensorizer from a file in memory, num_readers=2",
         "safetensors, local disk",
         "safetensors, page cache",
     ]
     assert loads["raw download"]["speed_over_raw"]["median"] == 1.0
     assert loads["tensorizer, num_readers=1"]["speed_over_curl_same_streams"] is not None
     assert all(entry["gb_per_s"] > 0 for entry in loads.values())
+    # The server was started elsewhere: this process's and curl's CPU only.
+    cpu = loads["tensorizer, num_readers=2"]["cpu_s_per_gb"]
+    assert (cpu["here"] > 0, cpu["children"] > 0) == (True, True)
+    assert (cpu["server"], cpu["total"]) == (None, None)
+    assert loads["preshard download to memory"]["cpu_s_per_gb"]["children"] == 0
     assert results["recommended_num_readers"] in (1, 2)
     assert s3_bucket.keys(f"{prefix}/") == []
     assert not (tmp_path / "scratch").exists()
