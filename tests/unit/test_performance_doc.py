@@ -415,6 +415,32 @@ def load_loads(table: Table) -> None:
     check.done(set(entries))
 
 
+LOAD_CPU: Final = {
+    "CPU s/GB here": "here",
+    "curl": "children",
+    "server": "server",
+    "total": "total",
+}
+
+
+def load_cpu(table: Table) -> None:
+    """Each load with its CPU seconds per GB, by whom (`results.loads[].cpu_s_per_gb`)."""
+    check = Check(table, ["load", "seconds", "GB/s", "speed / raw download", *LOAD_CPU])
+    entries = {e["load"]: e for e in results(table.source)["loads"]}
+    for row in check.rows():
+        name = row["load"]
+        if not check.row(name, name in entries):
+            continue
+        entry = entries[name]
+        check.figures(f"{name}, seconds", row["seconds"], [entry["seconds"]["median"]])
+        check.figures(f"{name}, GB/s", row["GB/s"], [entry["gb_per_s"]])
+        raw = spread(entry["speed_over_raw"])
+        check.figures(f"{name}, / raw", row["speed / raw download"], raw)
+        for column, whom in LOAD_CPU.items():
+            check.figures(f"{name}, {column}", row[column], [entry["cpu_s_per_gb"][whom]])
+    check.done(set(entries))
+
+
 # Starting a model: benchmarks/engine.py -------------------------------------------------------
 
 ENGINE_FIGURES: Final = {
@@ -712,7 +738,7 @@ def controller_targets(table: Table) -> None:
 EXPECTED: Final[dict[str, tuple[Callable[[Table], None], ...]]] = {
     "Making shards": (serialize_methods, serialize_ratios, serialize_targets),
     "Changing the TP size": (reshard_pairs, reshard_pairs),
-    "Loading shards": (load_loads, load_loads),
+    "Loading shards": (load_loads, load_loads, load_cpu),
     "Starting a model": (engine_starts, engine_ratios, engine_starts, engine_ratios),
     "The controller at scale": (
         controller_runs,
