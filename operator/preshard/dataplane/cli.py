@@ -79,6 +79,8 @@ _CHECK_FAILURES = (
     reasons.SIZE_MISMATCH,
     reasons.TP_MISMATCH,
 )
+# A command that checks a set's files against its manifest.
+_READ_FAILURES = (*_CHECK_FAILURES, reasons.HASH_MISMATCH, reasons.INVALID_ARGUMENTS)
 
 
 class _Terminated(BaseException):
@@ -204,15 +206,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
         failures=(
             reasons.RESHARD_UNSUPPORTED,
-            *_CHECK_FAILURES,
-            reasons.HASH_MISMATCH,
-            reasons.INVALID_ARGUMENTS,
+            *_READ_FAILURES,
             reasons.INSUFFICIENT_SCRATCH,
             reasons.ENCRYPTION_KEY_INVALID,
             *_S3_FAILURES,
         ),
     )
-    reshard.add_argument("uri", metavar="SRC_URI", nargs="?", help="s3://bucket/prefix/KEY/")
+    _add_uri(reshard, "SRC_URI")
     reshard.add_argument(
         "--to-tensor-parallel-size", metavar="M", help="the new set's TP size (required)"
     )
@@ -234,13 +234,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "LIST); with --deep also re-read every file against its recorded checksum."
         ),
         failures=(
-            *_CHECK_FAILURES,
-            reasons.HASH_MISMATCH,
-            reasons.INVALID_ARGUMENTS,
+            *_READ_FAILURES,
             *_S3_FAILURES,
         ),
     )
-    verify.add_argument("uri", metavar="URI", nargs="?", help="s3://bucket/prefix/KEY/")
+    _add_uri(verify, "URI")
     verify.add_argument("--tensor-parallel-size", metavar="N", help="expected TP size (required)")
     verify.add_argument("--artifact-key", metavar="KEY", help="expected artifact key")
     verify.add_argument("--deep", action="store_true", help="also check every file's checksum")
@@ -258,13 +256,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "vLLM image without it (the stock vllm/vllm-openai image has none)."
         ),
         failures=(
-            *_CHECK_FAILURES,
-            reasons.HASH_MISMATCH,
-            reasons.INVALID_ARGUMENTS,
+            *_READ_FAILURES,
             *_S3_FAILURES,
         ),
     )
-    fetch.add_argument("uri", metavar="URI", nargs="?", help="s3://bucket/prefix/KEY/")
+    _add_uri(fetch, "URI")
     fetch.add_argument("directory", metavar="DIR", nargs="?", help="where to put the files")
     fetch.add_argument(
         "--tensorizer-dir",
@@ -284,8 +280,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
         failures=(reasons.INVALID_ARGUMENTS, *_S3_FAILURES),
     )
-    delete.add_argument("uri", metavar="URI", nargs="?", help="s3://bucket/prefix/KEY/")
+    _add_uri(delete, "URI")
     delete.set_defaults(run=_run_delete)
+
+
+def _add_uri(parser: argparse.ArgumentParser, metavar: str) -> None:
+    """The shard set a command reads, as its first argument."""
+    parser.add_argument("uri", metavar=metavar, nargs="?", help="s3://bucket/prefix/KEY/")
 
 
 def _add_write_arguments(
