@@ -234,11 +234,7 @@ class Downloads:
 
     def prefetch_then_load(self, readers: int) -> float:
         """An init container's prefetch, then tensorizer from the local file."""
-        try:
-            fetched = self.preshard(keep=True)
-            return fetched + tensorizer_local(self.target, readers, self.shard.tensor_bytes)
-        finally:
-            self.target.unlink(missing_ok=True)
+        return self.preshard(keep=True) + self.load_prefetched(readers)
 
     def prefetch(self) -> None:
         """The object into memory, untimed, for `load_prefetched`."""
