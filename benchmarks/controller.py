@@ -72,6 +72,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -208,6 +209,8 @@ class Request:
     verb: str
     resource: str
     code: int
+    selector: str = ""
+    """The label selector a LIST or WATCH asked for."""
 
     @property
     def write(self) -> bool:
@@ -231,11 +234,13 @@ def parse_audit_event(line: str) -> Request | None:
         )
     else:
         resource = str(event.get("requestURI", "")).split("?")[0]
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(str(event.get("requestURI", ""))).query)
     return Request(
         at=datetime.fromisoformat(event["requestReceivedTimestamp"]).timestamp(),
         verb=_AUDIT_VERBS.get(verb, verb.upper()),
         resource=resource,
         code=int((event.get("responseStatus") or {}).get("code", 0)),
+        selector=query.get("labelSelector", [""])[0],
     )
 
 
@@ -289,6 +294,16 @@ class AuditLog:
             )
         except TimeoutError:
             return None
+
+
+def stream_selectors(requests: Iterable[Request]) -> dict[str, list[str]]:
+    """The label selectors of the LISTs and WATCHes, by resource ("" for none): what the API
+    server sent the operator."""
+    selectors: dict[str, set[str]] = {}
+    for request in requests:
+        if request.verb in ("LIST", "WATCH"):
+            selectors.setdefault(request.resource, set()).add(request.selector)
+    return {resource: sorted(found) for resource, found in sorted(selectors.items())}
 
 
 def count_requests(requests: Iterable[Request]) -> Counter[RequestKey]:
@@ -1276,6 +1291,7 @@ def summarize(
             ),
         },
         "restart": restart,
+        "stream_selectors": stream_selectors(audit.requests),
     }
     result["targets"] = check_targets(result)
     return result

@@ -15,6 +15,7 @@ import pytest
 from benchmarks import controller
 
 from preshard.builders import patching
+from preshard.controller.handlers import JOB_SELECTOR, POD_SELECTOR
 from preshard.settings import Settings
 from preshard_devenv import workloads
 
@@ -102,6 +103,14 @@ def test_a_smoke_run_measures_every_figure(tmp_path: Path) -> None:
         "restart_writes",
     }
     assert result["targets"]["restart_writes"]["met"]
+    # The API server sent the operator its own Jobs and pods only, through both operators'
+    # lives, though other pods ran beside them.
+    assert result["stream_selectors"] == {
+        "deployments.apps": [""],
+        "jobs.batch": [JOB_SELECTOR],
+        "pods": [POD_SELECTOR],
+        "shardedmodels.preshard.dev": [""],
+    }
 
 
 def test_audit_lines_become_requests() -> None:
@@ -127,6 +136,21 @@ def test_audit_lines_become_requests() -> None:
     assert request.write
     started = json.loads(line) | {"stage": "ResponseStarted"}
     assert controller.parse_audit_event(json.dumps(started)) is None
+    watch = json.loads(line) | {
+        "verb": "watch",
+        "requestURI": "/api/v1/pods?labelSelector=preshard.dev%2Fshardedmodel&watch=true",
+        "objectRef": {"resource": "pods", "apiVersion": "v1"},
+    }
+    watched = controller.parse_audit_event(json.dumps(watch))
+    assert watched is not None
+    assert (watched.verb, watched.resource, watched.selector) == (
+        "WATCH",
+        "pods",
+        "preshard.dev/shardedmodel",
+    )
+    assert controller.stream_selectors([watched, request]) == {
+        "pods": ["preshard.dev/shardedmodel"]
+    }
     discovery = json.loads(line) | {"verb": "get", "requestURI": "/apis?timeout=32s"}
     del discovery["objectRef"]
     parsed = controller.parse_audit_event(json.dumps(discovery))
