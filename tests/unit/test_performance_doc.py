@@ -395,10 +395,21 @@ def reshard_pairs(table: Table) -> None:
 # Loading shards: benchmarks/load.py -------------------------------------------------------------
 
 
+LOAD_SAME_STREAMS: Final = "speed / curl with as many streams"
+LOAD_CPU: Final = {
+    "CPU s/GB here": "here",
+    "curl": "children",
+    "server": "server",
+    "total": "total",
+}
+
+
 def load_loads(table: Table) -> None:
-    """Each load: seconds, GB/s and its ratios (`results.loads`)."""
-    curl = "speed / curl with as many streams"
-    check = Check(table, ["load", "seconds", "GB/s", "speed / raw download", curl])
+    """Each load: seconds, GB/s, its ratio to the raw download, and then either its ratio to
+    curl with as many streams (runs 1 and 2) or its CPU seconds per GB, by whom (run 3 on)
+    (`results.loads`)."""
+    extra = [LOAD_SAME_STREAMS] if LOAD_SAME_STREAMS in table.header else list(LOAD_CPU)
+    check = Check(table, ["load", "seconds", "GB/s", "speed / raw download", *extra])
     entries = {e["load"]: e for e in results(table.source)["loads"]}
     for row in check.rows():
         # "raw download (1 stream)" is the load "raw download".
@@ -410,32 +421,10 @@ def load_loads(table: Table) -> None:
         check.figures(f"{name}, GB/s", row["GB/s"], [entry["gb_per_s"]])
         raw = spread(entry["speed_over_raw"])
         check.figures(f"{name}, / raw", row["speed / raw download"], raw)
-        same = entry["speed_over_curl_same_streams"]
-        check.figures(f"{name}, / curl", row[curl], spread(same) if same else [])
-    check.done(set(entries))
-
-
-LOAD_CPU: Final = {
-    "CPU s/GB here": "here",
-    "curl": "children",
-    "server": "server",
-    "total": "total",
-}
-
-
-def load_cpu(table: Table) -> None:
-    """Each load with its CPU seconds per GB, by whom (`results.loads[].cpu_s_per_gb`)."""
-    check = Check(table, ["load", "seconds", "GB/s", "speed / raw download", *LOAD_CPU])
-    entries = {e["load"]: e for e in results(table.source)["loads"]}
-    for row in check.rows():
-        name = row["load"]
-        if not check.row(name, name in entries):
+        if LOAD_SAME_STREAMS in extra:
+            same = entry["speed_over_curl_same_streams"]
+            check.figures(f"{name}, / curl", row[LOAD_SAME_STREAMS], spread(same) if same else [])
             continue
-        entry = entries[name]
-        check.figures(f"{name}, seconds", row["seconds"], [entry["seconds"]["median"]])
-        check.figures(f"{name}, GB/s", row["GB/s"], [entry["gb_per_s"]])
-        raw = spread(entry["speed_over_raw"])
-        check.figures(f"{name}, / raw", row["speed / raw download"], raw)
         for column, whom in LOAD_CPU.items():
             check.figures(f"{name}, {column}", row[column], [entry["cpu_s_per_gb"][whom]])
     check.done(set(entries))
@@ -738,7 +727,7 @@ def controller_targets(table: Table) -> None:
 EXPECTED: Final[dict[str, tuple[Callable[[Table], None], ...]]] = {
     "Making shards": (serialize_methods, serialize_ratios, serialize_targets),
     "Changing the TP size": (reshard_pairs, reshard_pairs),
-    "Loading shards": (load_loads, load_loads, load_cpu),
+    "Loading shards": (load_loads, load_loads, load_loads),
     "Starting a model": (engine_starts, engine_ratios, engine_starts, engine_ratios),
     "The controller at scale": (
         controller_runs,
