@@ -227,20 +227,20 @@ def parse_audit_event(line: str) -> Request | None:
     if event.get("kind") != "Event" or event.get("stage") not in ("ResponseComplete", "Panic"):
         return None
     verb = str(event.get("verb", ""))
+    uri = urllib.parse.urlsplit(str(event.get("requestURI", "")))
     ref = event.get("objectRef")
     if ref and ref.get("resource"):
         resource = resource_name(
             ref["resource"], ref.get("apiGroup", ""), ref.get("subresource", "")
         )
     else:
-        resource = str(event.get("requestURI", "")).split("?")[0]
-    query = urllib.parse.parse_qs(urllib.parse.urlsplit(str(event.get("requestURI", ""))).query)
+        resource = uri.path
     return Request(
         at=datetime.fromisoformat(event["requestReceivedTimestamp"]).timestamp(),
         verb=_AUDIT_VERBS.get(verb, verb.upper()),
         resource=resource,
         code=int((event.get("responseStatus") or {}).get("code", 0)),
-        selector=query.get("labelSelector", [""])[0],
+        selector=urllib.parse.parse_qs(uri.query).get("labelSelector", [""])[0],
     )
 
 

@@ -81,6 +81,9 @@ def shard_set(
 ) -> ShardSet:
     """Serialized by vLLM at TP 2, verified (`--deep`) and fetched as the init container does."""
     work = tmp_path_factory.mktemp("real-vllm")
+    serialize_log, verify_log, fetch_log = (
+        work / f"{name}.log" for name in ("serialize", "verify", "fetch-config")
+    )
     source = upload_model(tied_model, s3_bucket.client, s3_bucket.name, "models/tied")
     location = S3Location.parse(f"s3://{s3_bucket.name}/real-vllm/{KEY}/")
     serializer_env = {
@@ -107,7 +110,7 @@ def shard_set(
             str(work / "scratch"),
         ],
         serializer_env,
-        work / "serialize.log",
+        serialize_log,
         timeout=900,
     )
     preshard = Path(sys.executable).with_name("preshard")  # the tools image: this virtualenv
@@ -116,7 +119,7 @@ def shard_set(
         preshard,
         ["verify", location.uri, "--tensor-parallel-size", str(TP), "--deep"],
         tools_env,
-        work / "verify.log",
+        verify_log,
         timeout=120,
     )
     model_dir, tensorizer_dir = work / "model", work / "tensorizer"
@@ -124,10 +127,10 @@ def shard_set(
         preshard,
         ["fetch-config", location.uri, str(model_dir), "--tensorizer-dir", str(tensorizer_dir)],
         tools_env,
-        work / "fetch-config.log",
+        fetch_log,
         timeout=120,
     )
-    logs = tuple(work / f"{name}.log" for name in ("serialize", "verify", "fetch-config"))
+    logs = (serialize_log, verify_log, fetch_log)
     return ShardSet(location, serialized, model_dir, tensorizer_dir, logs)
 
 

@@ -285,7 +285,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _add_uri(parser: argparse.ArgumentParser, metavar: str) -> None:
-    """The shard set a command reads, as its first argument."""
+    """The shard set a command works on, as its first argument."""
     parser.add_argument("uri", metavar=metavar, nargs="?", help="s3://bucket/prefix/KEY/")
 
 
